@@ -1,0 +1,32 @@
+# The two commands of the README: `make demo` and `make test`. Both set the machine up first.
+PYTHON ?= python3
+STAMP  := .make/install.stamp
+PYTEST_ARGS ?=
+
+.PHONY: help install demo test lint proto clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+# Re-runs when the dependency list, the constraints or the install script change.
+$(STAMP): pyproject.toml constraints.txt scripts/install.sh
+	PYTHON=$(PYTHON) bash scripts/install.sh
+	@mkdir -p $(dir $@) && touch $@
+
+install: $(STAMP)  ## Debian packages, CPU torch, the package and its dev tools (idempotent)
+
+demo: install  ## the main job on embedded defaults
+	$(PYTHON) -m bcstack.demo
+
+test: install  ## the whole test suite
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+lint: install  ## ruff
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+proto: install  ## regenerate the gRPC stubs in bcstack/v1 from proto/
+	$(PYTHON) -m bcstack.protogen
+
+clean:  ## remove build outputs and the install stamp
+	rm -rf .make build *.egg-info .pytest_cache .ruff_cache .hypothesis

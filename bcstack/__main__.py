@@ -1,0 +1,3 @@
+from bcstack.cli import main
+
+main()

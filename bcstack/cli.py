@@ -1,0 +1,48 @@
+"""The one `bcstack` entry point (DESIGN.md §8).
+
+Each command group lives beside the code it drives and is only imported here; heavy imports
+(torch, transformers, grpc) stay inside the commands so that `bcstack --help` is instant.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from bcstack import __version__
+from bcstack.modelkit.cli import app as model_app
+from bcstack.toyworld.cli import app as toyworld_app
+
+app = typer.Typer(
+    name="bcstack",
+    help=(
+        "browsecomp-stack: deploy, evaluate and train BrowseComp research workers "
+        "(Qwen3-4B under a frozen coordinator LLM). On a machine with no GPU every command "
+        "runs on embedded defaults: a toy world, a tiny Qwen3 model on the CPU, in-process indexes."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(toyworld_app, name="toyworld")
+app.add_typer(model_app, name="model")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"bcstack {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    pass
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
