@@ -22,7 +22,9 @@ def machine() -> dict[str, str]:
             mem = f"{kb / 2**20:.1f} GiB"
     except (OSError, StopIteration, ValueError):
         pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     return {
         "cpu": cpu,
         "cores": str(os.cpu_count()),

@@ -38,7 +38,9 @@ def test_no_call_cases():
 
 
 def test_calls_inside_reasoning_are_ignored():
-    text = "<think>\n<function=finish>\n<parameter=answer>draft</parameter>\n</function>\n</think>\n\nNo call."
+    text = (
+        "<think>\n<function=finish>\n<parameter=answer>draft</parameter>\n</function>\n</think>\n\nNo call."
+    )
     assert p.parse_calls(text) == []
     # A turn cut off while still thinking has no actions.
     assert p.parse_calls("<think>\n<function=search>\n<parameter=query>x</parameter>\n</function>\n") == []
@@ -47,12 +49,17 @@ def test_calls_inside_reasoning_are_ignored():
 def test_only_the_last_group_of_calls_counts():
     draft = "<function=search>\n<parameter=query>draft</parameter>\n</function>"
     real = "<function=search>\n<parameter=query>real</parameter>\n</function>"
-    assert p.parse_calls(f"{draft}\n\n\n\nOn second thought:\n{real}") == [p.FunctionCall("search", {"query": "real"})]
+    assert p.parse_calls(f"{draft}\n\n\n\nOn second thought:\n{real}") == [
+        p.FunctionCall("search", {"query": "real"})
+    ]
     assert len(p.parse_calls(f"{draft}\n{real}")) == 2
 
 
 def test_parameter_values_are_stripped_and_multiline_values_kept():
-    text = "<function=finish>\n<parameter=answer>\n  Tartu \n</parameter>\n<parameter=explanation>line one\nline two</parameter>\n</function>"
+    text = (
+        "<function=finish>\n<parameter=answer>\n  Tartu \n</parameter>\n"
+        "<parameter=explanation>line one\nline two</parameter>\n</function>"
+    )
     (call,) = p.parse_calls(text)
     assert call.params == {"answer": "Tartu", "explanation": "line one\nline two"}
 
@@ -93,7 +100,9 @@ def test_never_raises_on_truncated_and_nested_tags(text):
         assert isinstance(p.validate_call(c, p.WORKER_TOOLS + p.COORDINATOR_TOOLS), p.Action)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(st.integers(min_value=10_000, max_value=400_000), st.sampled_from(TAGS))
 def test_never_raises_on_huge_parameters(size, tag):
     text = f"<function=search>\n<parameter=query>{'x' * size}{tag}</parameter>\n</function>"
@@ -138,9 +147,9 @@ def test_worker_validation(call, expected):
 
 def test_coordinator_validation():
     tools = p.COORDINATOR_TOOLS
-    assert p.validate_call(p.FunctionCall("branch", {"description": "d", "prompt": "q"}), tools) == p.BranchAction(
-        "d", "q"
-    )
+    assert p.validate_call(
+        p.FunctionCall("branch", {"description": "d", "prompt": "q"}), tools
+    ) == p.BranchAction("d", "q")
     assert p.validate_call(p.FunctionCall("branch", {"description": "d"}), tools) == p.CallError(
         '[Error] The "branch" function requires a "prompt" argument.'
     )
@@ -177,7 +186,10 @@ def test_golden_seen_page_is_shortened_and_counts_a_quarter():
     short = " ".join(["bee"] * 128)
     block = f"docid: 202\nurl: https://w/b\ncontent: {p.SEEN_PAGE_NOTICE}{short}\n"
     # Four seen hits count 0.25 each: the list stops after the fourth, before PAGE_A.
-    assert out == '[Search Results for "q"]\n' + "".join(f"\n--- #{i}: 202---\n{block}" for i in range(1, 5)) + "\n"
+    assert (
+        out
+        == '[Search Results for "q"]\n' + "".join(f"\n--- #{i}: 202---\n{block}" for i in range(1, 5)) + "\n"
+    )
     assert seen == {"202"}
 
 
@@ -189,7 +201,8 @@ def test_golden_topk_counts_fresh_hits():
 
 def test_golden_open_page():
     assert p.render_open_page([PAGE_A]) == (
-        "[Opened Page Content]\ndocid: 101\nurl: https://w/a\ncontent: ---\ntitle: A\n---\n\nalpha beta\ngamma\n\n"
+        "[Opened Page Content]\ndocid: 101\nurl: https://w/a\n"
+        "content: ---\ntitle: A\n---\n\nalpha beta\ngamma\n\n"
     )
 
 
@@ -208,8 +221,9 @@ def test_golden_turn_observation_with_nudge_and_errors():
     assert p.finish_observation(parts) == (
         '[Error] The "search" function requires a "query" argument.[Opened Page Content]\n'
         "docid: 101\nurl: https://w/a\ncontent: ---\ntitle: A\n---\n\nalpha beta\ngamma\n\n\n\n"
-        "* Please reflect on the information we have obtained, and keep searching for additional information "
-        "if we still can not answer the question. Do not give the answer if the information is still not enough."
+        "* Please reflect on the information we have obtained, and keep searching for additional "
+        "information if we still can not answer the question. Do not give the answer if the "
+        "information is still not enough."
     )
     assert p.finish_observation([p.OPEN_PAGE_ARG_ERROR], reflection_nudge=False) == (
         '[Error] The "open_page" function requires either a "docid" or a "url".'
@@ -230,7 +244,10 @@ def test_observation_parses_back():
     )
     obs = p.parse_observation(text)
     assert obs.queries == ["q"]
-    assert [(h.rank, h.docid, h.url) for h in obs.hits] == [(1, "101", "https://w/a"), (2, "202", "https://w/b")]
+    assert [(h.rank, h.docid, h.url) for h in obs.hits] == [
+        (1, "101", "https://w/a"),
+        (2, "202", "https://w/b"),
+    ]
     assert obs.pages == [PAGE_A]
     again = p.parse_observation(p.render_search_results("q", [PAGE_A], seen, 5))
     assert again.hits[0].seen_before and again.hits[0].content == "--- title: A --- alpha beta gamma"

@@ -33,12 +33,31 @@ def _digests(folder: Path) -> dict[str, str]:
 
 
 def test_cli_same_seed_gives_byte_identical_files(tmp_path):
-    cmd = [sys.executable, "-m", "bcstack", "toyworld", "generate", "--docs", "1500", "--seed", "7", "--questions-per-tier", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bcstack",
+        "toyworld",
+        "generate",
+        "--docs",
+        "1500",
+        "--seed",
+        "7",
+        "--questions-per-tier",
+        "20",
+    ]
     for name in ("a", "b"):
         subprocess.run([*cmd, "--out", str(tmp_path / name)], check=True, capture_output=True)
     subprocess.run([*cmd[:-1], "8", "--out", str(tmp_path / "c")], check=True, capture_output=True)
     a, b, c = (_digests(tmp_path / n) for n in "abc")
-    assert set(a) == {"corpus.jsonl", "questions.jsonl", "train.jsonl", "qrel_evidence.txt", "qrel_golds.txt", "world.json"}
+    assert set(a) == {
+        "corpus.jsonl",
+        "questions.jsonl",
+        "train.jsonl",
+        "qrel_evidence.txt",
+        "qrel_golds.txt",
+        "world.json",
+    }
     assert a == b
     assert a["corpus.jsonl"] != c["corpus.jsonl"]
     manifest = json.loads((tmp_path / "a" / "world.json").read_text())
@@ -54,11 +73,23 @@ def test_cli_errors_are_clear(tmp_path):
     )
     assert ok.returncode == 0, ok.stderr
     again = subprocess.run(
-        [sys.executable, "-m", "bcstack", "toyworld", "generate", "--out", str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "bcstack", "toyworld", "generate", "--out", str(out)],
+        capture_output=True,
+        text=True,
     )
     assert again.returncode == 2 and "is not empty" in again.stderr and "Traceback" not in again.stderr
     small = subprocess.run(
-        [sys.executable, "-m", "bcstack", "toyworld", "generate", "--out", str(tmp_path / "s"), "--docs", "50"],
+        [
+            sys.executable,
+            "-m",
+            "bcstack",
+            "toyworld",
+            "generate",
+            "--out",
+            str(tmp_path / "s"),
+            "--docs",
+            "50",
+        ],
         capture_output=True,
         text=True,
     )
@@ -152,7 +183,12 @@ def test_expert_solves_every_test_question_through_the_protocol(world, env):
         assert ep.finish is not None, q["query"]
         results[(q["data_source"], ep.finish.answer == q["answer"])] += 1
         # It learned the answer from pages: the gold page was opened, and cited.
-        opened = [pg.docid for m in ep.messages if m["role"] == "user" for pg in p.parse_observation(m["content"]).pages]
+        opened = [
+            pg.docid
+            for m in ep.messages
+            if m["role"] == "user"
+            for pg in p.parse_observation(m["content"]).pages
+        ]
         assert q["gold_docs"][0]["docid"] in opened
         assert f"[{q['gold_docs'][0]['docid']}]" in ep.finish.explanation
         assert set(ep.tool_calls) <= {"search", "open_page", "finish"}
@@ -177,7 +213,10 @@ def test_expert_on_a_task_it_cannot_parse():
 
 
 def _coordinate(question: str, env: ToyRetrieval, fanout: int = 1, worker=expert_worker_policy):
-    messages = [{"role": "system", "content": "You coordinate workers."}, {"role": "user", "content": question}]
+    messages = [
+        {"role": "system", "content": "You coordinate workers."},
+        {"role": "user", "content": question},
+    ]
     for _ in range(5):
         reply = scripted_coordinator_policy(messages, fanout=fanout)
         messages.append({"role": "assistant", "content": reply})
@@ -193,7 +232,10 @@ def _coordinate(question: str, env: ToyRetrieval, fanout: int = 1, worker=expert
             reports.append(
                 p.render_worker_report(
                     p.WorkerReportText(
-                        a.description, status, fin.answer if fin else "", fin.explanation if fin else "",
+                        a.description,
+                        status,
+                        fin.answer if fin else "",
+                        fin.explanation if fin else "",
                         fin.confidence if fin else "",
                     )
                 )

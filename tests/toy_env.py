@@ -68,7 +68,9 @@ class Episode:
 def run_worker_episode(
     policy: Callable[[list[dict]], str], task: str, env: ToyRetrieval, max_turns: int = 40
 ) -> Episode:
-    ep = Episode([{"role": "system", "content": "You are a research worker."}, {"role": "user", "content": task}])
+    ep = Episode(
+        [{"role": "system", "content": "You are a research worker."}, {"role": "user", "content": task}]
+    )
     seen: set[str] = set()
     while ep.turns < max_turns:
         reply = policy(ep.messages)
@@ -86,10 +88,14 @@ def run_worker_episode(
                 ep.finish = action
                 return ep
             if isinstance(action, p.SearchAction):
-                parts.append(p.render_search_results(action.query, env.search(action.query), seen, action.topk))
+                parts.append(
+                    p.render_search_results(action.query, env.search(action.query), seen, action.topk)
+                )
             elif isinstance(action, p.OpenPageAction):
                 pages = env.open(action.docid, action.url)
-                parts.append(p.render_open_page(pages) if pages else p.page_not_found_error(action.docid, action.url))
+                parts.append(
+                    p.render_open_page(pages) if pages else p.page_not_found_error(action.docid, action.url)
+                )
             elif isinstance(action, p.CallError):
                 parts.append(action.message)
         ep.messages.append({"role": "user", "content": p.finish_observation(parts)})

@@ -17,8 +17,12 @@ def generate(
     out: Path = typer.Option(..., "--out", help="Directory to write (must not exist or be empty)."),
     docs: int = typer.Option(2000, "--docs", min=1, help="Number of documents in corpus.jsonl."),
     seed: int = typer.Option(0, "--seed", help="Random seed: the same seed gives byte-identical files."),
-    per_tier: int = typer.Option(50, "--questions-per-tier", min=1, help="Test questions per tier (easy/medium/hard)."),
-    train_medium: int = typer.Option(100, "--train-medium", min=0, help="Medium questions in the train split."),
+    per_tier: int = typer.Option(
+        50, "--questions-per-tier", min=1, help="Test questions per tier (easy/medium/hard)."
+    ),
+    train_medium: int = typer.Option(
+        100, "--train-medium", min=0, help="Medium questions in the train split."
+    ),
     train_hard: int = typer.Option(50, "--train-hard", min=0, help="Hard questions in the train split."),
 ) -> None:
     """Write corpus.jsonl, questions.jsonl (test split), train.jsonl, TREC qrels and world.json.

@@ -186,9 +186,13 @@ class _Builder:
         self.institutions = []
         for _ in range(max(8, int(n * SHARE_INSTITUTIONS))):
             name = self.names.unique(
-                lambda: f"{self.names.word(2)} {r.choice(g.INSTITUTION_KINDS)} of {r.choice(g.INSTITUTION_FIELDS)}"
+                lambda: " ".join(
+                    (self.names.word(2), r.choice(g.INSTITUTION_KINDS), "of", r.choice(g.INSTITUTION_FIELDS))
+                )
             )
-            self.institutions.append(Institution(name, self.year0 + r.randrange(0, 120), r.choice(self.cities)))
+            self.institutions.append(
+                Institution(name, self.year0 + r.randrange(0, 120), r.choice(self.cities))
+            )
         self.people = []
         for _ in range(max(20, int(n * SHARE_PEOPLE))):
             inst = r.choice(self.institutions)
@@ -339,7 +343,8 @@ class _Builder:
                 adjective = r.choice(g.FILLER_ADJECTIVES)
                 out.append(
                     f"Later accounts {r.choice(g.FILLER_VERBS)} {g.article(adjective)} {adjective} "
-                    f"{r.choice(g.FILLER_NOUNS)} and a {r.choice(g.FILLER_NOUNS)} of {r.choice(self.cities).name}."
+                    f"{r.choice(g.FILLER_NOUNS)} and a {r.choice(g.FILLER_NOUNS)} "
+                    f"of {r.choice(self.cities).name}."
                 )
             elif shape == 2:
                 adjective = r.choice(g.FILLER_ADJECTIVES)
@@ -371,7 +376,9 @@ class _Builder:
             ]
             if e.mentor is not None:
                 facts.append(
-                    g.PERSON_MENTOR.format(name=e.name, mentor_profession=e.mentor.profession, mentor=e.mentor.name)
+                    g.PERSON_MENTOR.format(
+                        name=e.name, mentor_profession=e.mentor.profession, mentor=e.mentor.name
+                    )
                 )
             title = e.title
         elif isinstance(e, Artifact):
@@ -386,7 +393,9 @@ class _Builder:
             facts = [g.INSTITUTION_FACTS[0].format(institution=e.name, year=e.founded, city=e.city.name)]
             if e.director is not None:
                 facts.append(
-                    g.INSTITUTION_FACTS[1].format(director_profession=e.director.profession, director=e.director.name)
+                    g.INSTITUTION_FACTS[1].format(
+                        director_profession=e.director.profession, director=e.director.name
+                    )
                 )
             title = e.name
         else:
@@ -408,8 +417,8 @@ class _Builder:
         body = (
             f"During the {r.choice(g.FILLER_ADJECTIVES)} season, {person.name} and {other.name} "
             f"exhibited the {artifact.name} in {city.name}. " + self.filler(r.randrange(3, 7)) + "\n\n"
-            f"A letter from the {r.choice(self.institutions).name} asked about the {r.choice(self.artifacts).name}. "
-            + self.filler(r.randrange(2, 6))
+            f"A letter from the {r.choice(self.institutions).name} "
+            f"asked about the {r.choice(self.artifacts).name}. " + self.filler(r.randrange(2, 6))
         )
         return title, body
 
@@ -440,7 +449,9 @@ class _Builder:
             corpus.append({"docid": docid, "text": g.front_matter(title, body), "url": g.url_for(title)})
         for i in range(n_chronicles):
             title, body = self.chronicle_text(i + 1)
-            corpus.append({"docid": docids[len(corpus)], "text": g.front_matter(title, body), "url": g.url_for(title)})
+            corpus.append(
+                {"docid": docids[len(corpus)], "text": g.front_matter(title, body), "url": g.url_for(title)}
+            )
         # Interleave entity and chronicle pages so file order says nothing about a page's role.
         self.rng.shuffle(corpus)
         by_docid = {d["docid"]: d for d in corpus}

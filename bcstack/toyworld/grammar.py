@@ -13,36 +13,156 @@ from dataclasses import dataclass
 
 # --- vocabulary ----------------------------------------------------------------------------------
 # Syllables for fictional names: no real person, place or thing is meant.
-NAME_ONSETS = (
-    "b br c d dr f g gr h j k kl l m n p pr qu r s st t tr v w z th sh ch".split()
-)
-NAME_VOWELS = "a e i o u ae ei ou ia".split()
+NAME_ONSETS = [
+    "b",
+    "br",
+    "c",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "h",
+    "j",
+    "k",
+    "kl",
+    "l",
+    "m",
+    "n",
+    "p",
+    "pr",
+    "qu",
+    "r",
+    "s",
+    "st",
+    "t",
+    "tr",
+    "v",
+    "w",
+    "z",
+    "th",
+    "sh",
+    "ch",
+]
+NAME_VOWELS = ["a", "e", "i", "o", "u", "ae", "ei", "ou", "ia"]
 NAME_CODAS = ("", "", "n", "r", "l", "s", "th", "m", "nd", "rk", "st", "x")
-PROFESSIONS = (
-    "engineer chemist painter botanist cartographer astronomer composer sculptor physician "
-    "linguist architect geologist mathematician historian weaver clockmaker navigator poet"
-).split()
-ARTIFACT_KINDS = (
-    "engine loom telescope compass lantern press organ clock pump kiln sextant prism dynamo "
-    "barometer lathe harp"
-).split()
-INSTITUTION_KINDS = (
-    "Institute Academy College Observatory Conservatory Seminary Polytechnic Library".split()
-)
+PROFESSIONS = [
+    "engineer",
+    "chemist",
+    "painter",
+    "botanist",
+    "cartographer",
+    "astronomer",
+    "composer",
+    "sculptor",
+    "physician",
+    "linguist",
+    "architect",
+    "geologist",
+    "mathematician",
+    "historian",
+    "weaver",
+    "clockmaker",
+    "navigator",
+    "poet",
+]
+ARTIFACT_KINDS = [
+    "engine",
+    "loom",
+    "telescope",
+    "compass",
+    "lantern",
+    "press",
+    "organ",
+    "clock",
+    "pump",
+    "kiln",
+    "sextant",
+    "prism",
+    "dynamo",
+    "barometer",
+    "lathe",
+    "harp",
+]
+INSTITUTION_KINDS = [
+    "Institute",
+    "Academy",
+    "College",
+    "Observatory",
+    "Conservatory",
+    "Seminary",
+    "Polytechnic",
+    "Library",
+]
 INSTITUTION_FIELDS = (
-    "Cartography", "Letters", "Mechanics", "Natural Philosophy", "Music", "Medicine", "Navigation",
-    "Botany", "Astronomy", "Architecture", "Mathematics", "Fine Arts", "Chemistry", "Languages",
+    "Cartography",
+    "Letters",
+    "Mechanics",
+    "Natural Philosophy",
+    "Music",
+    "Medicine",
+    "Navigation",
+    "Botany",
+    "Astronomy",
+    "Architecture",
+    "Mathematics",
+    "Fine Arts",
+    "Chemistry",
+    "Languages",
 )
 PROVINCE_SUFFIXES = ("shire", "mark", "land", "vale", "reach", "march")
-FILLER_NOUNS = (
-    "archive river harbor festival bridge market orchard manuscript garden workshop tower "
-    "canal ledger mill expedition guild council lecture season quarry chapel fountain"
-).split()
-FILLER_ADJECTIVES = (
-    "old quiet northern crowded narrow famous forgotten celebrated modest distant ornate "
-    "weathered bustling remote renowned humble"
-).split()
-FILLER_VERBS = "described praised recorded revisited mapped restored debated catalogued".split()
+FILLER_NOUNS = [
+    "archive",
+    "river",
+    "harbor",
+    "festival",
+    "bridge",
+    "market",
+    "orchard",
+    "manuscript",
+    "garden",
+    "workshop",
+    "tower",
+    "canal",
+    "ledger",
+    "mill",
+    "expedition",
+    "guild",
+    "council",
+    "lecture",
+    "season",
+    "quarry",
+    "chapel",
+    "fountain",
+]
+FILLER_ADJECTIVES = [
+    "old",
+    "quiet",
+    "northern",
+    "crowded",
+    "narrow",
+    "famous",
+    "forgotten",
+    "celebrated",
+    "modest",
+    "distant",
+    "ornate",
+    "weathered",
+    "bustling",
+    "remote",
+    "renowned",
+    "humble",
+]
+FILLER_VERBS = [
+    "described",
+    "praised",
+    "recorded",
+    "revisited",
+    "mapped",
+    "restored",
+    "debated",
+    "catalogued",
+]
 
 # --- document templates --------------------------------------------------------------------------
 # {a} is the indefinite article for the profession that follows.
@@ -155,11 +275,15 @@ class QuestionTemplate:
 
 
 QUESTION_TEMPLATES = (
-    QuestionTemplate("e_founded", "easy", "In what year was the {institution} founded?", "institution", ("founded",)),
+    QuestionTemplate(
+        "e_founded", "easy", "In what year was the {institution} founded?", "institution", ("founded",)
+    ),
     QuestionTemplate(
         "e_birth_city", "easy", "In which city was the {profession} {person} born?", "person", ("birth_city",)
     ),
-    QuestionTemplate("e_demo_year", "easy", "In what year was the {artifact} first demonstrated?", "artifact", ("year",)),
+    QuestionTemplate(
+        "e_demo_year", "easy", "In what year was the {artifact} first demonstrated?", "artifact", ("year",)
+    ),
     QuestionTemplate(
         "m_inst_founded",
         "medium",

@@ -88,7 +88,9 @@ def expert_worker_policy(messages: Sequence[Message]) -> str:
     if question is None:
         return _say(
             "The task is not a question I know how to research.",
-            _call("finish", answer="unknown", explanation="The task could not be understood.", confidence="0%"),
+            _call(
+                "finish", answer="unknown", explanation="The task could not be understood.", confidence="0%"
+            ),
         )
     know = _replay(messages)
     title, kind = question.start_title, question.template.start
@@ -165,9 +167,12 @@ def scripted_coordinator_policy(messages: Sequence[Message], *, fanout: int = 1,
     rounds = sum(
         1
         for m in messages
-        if m.get("role") == "assistant" and any(c.name == "branch" for c in p.parse_calls(m.get("content", "")))
+        if m.get("role") == "assistant"
+        and any(c.name == "branch" for c in p.parse_calls(m.get("content", "")))
     )
-    reports = [r for m in messages if m.get("role") == "user" for r in p.parse_worker_reports(m.get("content", ""))]
+    reports = [
+        r for m in messages if m.get("role") == "user" for r in p.parse_worker_reports(m.get("content", ""))
+    ]
     answers = [r for r in reports if r.status == "finish" and r.answer and r.answer != "unknown"]
     if answers:
         counts: dict[str, int] = {}
@@ -187,11 +192,14 @@ def scripted_coordinator_policy(messages: Sequence[Message], *, fanout: int = 1,
     if rounds >= max_rounds:
         return _say(
             "No worker found an answer.",
-            _call("finish", answer="unknown", explanation="No worker report gave an answer.", confidence="0%"),
+            _call(
+                "finish", answer="unknown", explanation="No worker report gave an answer.", confidence="0%"
+            ),
         )
     task = WORKER_TASK_TEMPLATE.format(question=question)
     calls = "\n".join(
-        _call("branch", description=f"Answer the question (worker {i + 1})", prompt=task) for i in range(fanout)
+        _call("branch", description=f"Answer the question (worker {i + 1})", prompt=task)
+        for i in range(fanout)
     )
     thought = "I will delegate the research to a worker." if fanout == 1 else f"I will ask {fanout} workers."
     return _say(thought, calls)

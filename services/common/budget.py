@@ -103,7 +103,9 @@ class WorkerBudget:
         if n_tokens < 0:
             raise ValueError("n_tokens must be >= 0")
         if granted is not None and n_tokens > granted.max_new_tokens:
-            raise ValueError(f"turn generated {n_tokens} tokens but only {granted.max_new_tokens} were granted")
+            raise ValueError(
+                f"turn generated {n_tokens} tokens but only {granted.max_new_tokens} were granted"
+            )
         self.turns += 1
         self.generated_tokens += n_tokens
         self.per_turn.append(n_tokens)

@@ -262,9 +262,7 @@ def keep_first_words(text: str, n: int) -> str:
     """
     if not text:
         return ""
-    count = 0
-    for m in re.finditer(r"\S+", text):
-        count += 1
+    for count, m in enumerate(re.finditer(r"\S+", text), 1):
         if count == n:
             return text[: m.end()] + TRUNCATION_MARK
     return text
@@ -301,8 +299,9 @@ def render_search_results(
 def render_open_page(pages: Sequence[Page], *, page_words: int = PAGE_WORDS) -> str:
     """The block for one open_page call (the retrieval service may return several matches)."""
     out = [
-        f"[Opened Page Content]\ndocid: {p.docid}\nurl: {p.url}\ncontent: {keep_first_words(p.text, page_words)}\n"
-        for p in pages
+        f"[Opened Page Content]\ndocid: {page.docid}\nurl: {page.url}\n"
+        f"content: {keep_first_words(page.text, page_words)}\n"
+        for page in pages
     ]
     out.append("\n")
     return "".join(out)
@@ -322,7 +321,8 @@ _SEARCH_HEADER_RE = re.compile(r'^\[Search Results for "(.*)"\]$', re.MULTILINE)
 # Snippets are words joined by single spaces, so a hit's content never spans lines.
 _HIT_RE = re.compile(r"^--- #(\d+): (.*?)---\ndocid: (.*)\nurl: (.*)\ncontent: (.*)$", re.MULTILINE)
 _OPENED_RE = re.compile(
-    r"^\[Opened Page Content\]\ndocid: (.*)\nurl: (.*)\ncontent: (.*?)(?=\n\n\[|\n\[Opened Page Content\]|\n\n\* |\n*\Z)",
+    r"^\[Opened Page Content\]\ndocid: (.*)\nurl: (.*)\ncontent: (.*?)"
+    r"(?=\n\n\[|\n\[Opened Page Content\]|\n\n\* |\n*\Z)",
     re.DOTALL | re.MULTILINE,
 )
 
@@ -355,7 +355,9 @@ def parse_observation(text: str) -> ParsedObservation:
         if seen:
             content = content[len(SEEN_PAGE_NOTICE) :]
         hits.append(ObservedHit(int(m.group(1)), m.group(3), m.group(4), content, seen))
-    pages = [Page(docid=m.group(1), url=m.group(2), text=m.group(3).rstrip()) for m in _OPENED_RE.finditer(text)]
+    pages = [
+        Page(docid=m.group(1), url=m.group(2), text=m.group(3).rstrip()) for m in _OPENED_RE.finditer(text)
+    ]
     return ParsedObservation(queries, hits, pages)
 
 

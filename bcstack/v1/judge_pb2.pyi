@@ -1,0 +1,63 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GradeAnswerRequest(_message.Message):
+    __slots__ = ("question", "response", "correct_answer")
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    question: str
+    response: str
+    correct_answer: str
+    def __init__(self, question: _Optional[str] = ..., response: _Optional[str] = ..., correct_answer: _Optional[str] = ...) -> None: ...
+
+class GradeAnswerResponse(_message.Message):
+    __slots__ = ("correct", "extracted_final_answer", "reasoning", "confidence", "parse_error", "grader_version", "cached")
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    EXTRACTED_FINAL_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    PARSE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    GRADER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    correct: bool
+    extracted_final_answer: str
+    reasoning: str
+    confidence: float
+    parse_error: bool
+    grader_version: str
+    cached: bool
+    def __init__(self, correct: _Optional[bool] = ..., extracted_final_answer: _Optional[str] = ..., reasoning: _Optional[str] = ..., confidence: _Optional[float] = ..., parse_error: _Optional[bool] = ..., grader_version: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
+
+class GradeContributionRequest(_message.Message):
+    __slots__ = ("question", "task", "report", "final_answer", "gold_answer")
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    GOLD_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    question: str
+    task: str
+    report: str
+    final_answer: str
+    gold_answer: str
+    def __init__(self, question: _Optional[str] = ..., task: _Optional[str] = ..., report: _Optional[str] = ..., final_answer: _Optional[str] = ..., gold_answer: _Optional[str] = ...) -> None: ...
+
+class GradeContributionResponse(_message.Message):
+    __slots__ = ("score", "label", "reasoning", "parse_error", "grader_version", "cached")
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    PARSE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    GRADER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    score: float
+    label: str
+    reasoning: str
+    parse_error: bool
+    grader_version: str
+    cached: bool
+    def __init__(self, score: _Optional[float] = ..., label: _Optional[str] = ..., reasoning: _Optional[str] = ..., parse_error: _Optional[bool] = ..., grader_version: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
