@@ -159,3 +159,15 @@ configured. Use it inside `env:`:
       key: {{ $.Values.adminToken.key }}
 {{- end }}
 {{- end }}
+
+{{/*
+"<fullname>-<suffix>" for one component's objects, at most 63 characters (DNS-1123 label), or
+.max when given (a StatefulSet's name should leave room for its pods' revision-hash label). The
+fullname is cut, not the suffix, so two components' names stay apart under a long release name:
+  name: {{ include "bcstack.componentName" (dict "context" $ "suffix" "retrieval") }}
+*/}}
+{{- define "bcstack.componentName" -}}
+{{- $max := .max | default 63 | int }}
+{{- $prefix := include "bcstack.fullname" .context | trunc (sub $max (add1 (len .suffix)) | int) | trimSuffix "-" }}
+{{- printf "%s-%s" $prefix .suffix }}
+{{- end }}
