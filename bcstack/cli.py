@@ -11,6 +11,8 @@ import typer
 from bcstack import __version__
 from bcstack.modelkit.cli import app as model_app
 from bcstack.toyworld.cli import app as toyworld_app
+from services.retrieval import cli as retrieval_cli
+from services.retrieval.loadtest_cli import app as loadtest_app
 
 app = typer.Typer(
     name="bcstack",
@@ -23,8 +25,17 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+serve_app = typer.Typer(
+    help="Start one service of the stack (each has --help with its settings).", no_args_is_help=True
+)
+serve_app.command("retrieval")(retrieval_cli.serve)
+
 app.add_typer(toyworld_app, name="toyworld")
 app.add_typer(model_app, name="model")
+app.command("index")(retrieval_cli.index)
+app.add_typer(serve_app, name="serve")
+app.command("search")(retrieval_cli.search)
+app.add_typer(loadtest_app, name="loadtest")
 
 
 def _version(value: bool) -> None:

@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x63stack/v1/retrieval.proto\x12\nbcstack.v1\"\x9d\x01\n\rSearchRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\x05\x12$\n\x04mode\x18\x03 \x01(\x0e\x32\x16.bcstack.v1.SearchMode\x12\x13\n\x06window\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\rsnippet_words\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\t\n\x07_windowB\x10\n\x0e_snippet_words\"\x9a\x01\n\tSearchHit\x12\r\n\x05\x64ocid\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x14\n\x0clexical_rank\x18\x05 \x01(\x05\x12\x15\n\rlexical_score\x18\x06 \x01(\x01\x12\x12\n\ndense_rank\x18\x07 \x01(\x05\x12\x13\n\x0b\x64\x65nse_score\x18\x08 \x01(\x01\"\x9a\x01\n\rSearchTimings\x12\x17\n\x0flexical_seconds\x18\x01 \x01(\x01\x12\x15\n\rembed_seconds\x18\x02 \x01(\x01\x12\x15\n\rdense_seconds\x18\x03 \x01(\x01\x12\x14\n\x0c\x66use_seconds\x18\x04 \x01(\x01\x12\x15\n\rfetch_seconds\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\"\x8d\x01\n\x0eSearchResponse\x12#\n\x04hits\x18\x01 \x03(\x0b\x32\x15.bcstack.v1.SearchHit\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x18\n\x10\x64\x65graded_backend\x18\x03 \x01(\t\x12*\n\x07timings\x18\x04 \x01(\x0b\x32\x19.bcstack.v1.SearchTimings\"A\n\x12\x42\x61tchSearchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.bcstack.v1.SearchRequest\"D\n\x13\x42\x61tchSearchResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.bcstack.v1.SearchResponse\"7\n\x0bOpenRequest\x12\x0f\n\x05\x64ocid\x18\x01 \x01(\tH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06target\"G\n\x0cOpenResponse\x12\r\n\x05\x64ocid\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05title\x18\x04 \x01(\t*T\n\nSearchMode\x12\x16\n\x12SEARCH_MODE_HYBRID\x10\x00\x12\x17\n\x13SEARCH_MODE_LEXICAL\x10\x01\x12\x15\n\x11SEARCH_MODE_DENSE\x10\x02\x32\xde\x01\n\x10RetrievalService\x12?\n\x06Search\x12\x19.bcstack.v1.SearchRequest\x1a\x1a.bcstack.v1.SearchResponse\x12N\n\x0b\x42\x61tchSearch\x12\x1e.bcstack.v1.BatchSearchRequest\x1a\x1f.bcstack.v1.BatchSearchResponse\x12\x39\n\x04Open\x12\x17.bcstack.v1.OpenRequest\x1a\x18.bcstack.v1.OpenResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62\x63stack/v1/retrieval.proto\x12\nbcstack.v1\"\x9d\x01\n\rSearchRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\x05\x12$\n\x04mode\x18\x03 \x01(\x0e\x32\x16.bcstack.v1.SearchMode\x12\x13\n\x06window\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\rsnippet_words\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\t\n\x07_windowB\x10\n\x0e_snippet_words\"\xa9\x01\n\tSearchHit\x12\r\n\x05\x64ocid\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x14\n\x0clexical_rank\x18\x05 \x01(\x05\x12\x15\n\rlexical_score\x18\x06 \x01(\x01\x12\x12\n\ndense_rank\x18\x07 \x01(\x05\x12\x13\n\x0b\x64\x65nse_score\x18\x08 \x01(\x01\x12\r\n\x05title\x18\t \x01(\t\"\x9a\x01\n\rSearchTimings\x12\x17\n\x0flexical_seconds\x18\x01 \x01(\x01\x12\x15\n\rembed_seconds\x18\x02 \x01(\x01\x12\x15\n\rdense_seconds\x18\x03 \x01(\x01\x12\x14\n\x0c\x66use_seconds\x18\x04 \x01(\x01\x12\x15\n\rfetch_seconds\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\"\x8d\x01\n\x0eSearchResponse\x12#\n\x04hits\x18\x01 \x03(\x0b\x32\x15.bcstack.v1.SearchHit\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x18\n\x10\x64\x65graded_backend\x18\x03 \x01(\t\x12*\n\x07timings\x18\x04 \x01(\x0b\x32\x19.bcstack.v1.SearchTimings\"A\n\x12\x42\x61tchSearchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.bcstack.v1.SearchRequest\"D\n\x13\x42\x61tchSearchResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.bcstack.v1.SearchResponse\"7\n\x0bOpenRequest\x12\x0f\n\x05\x64ocid\x18\x01 \x01(\tH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06target\"G\n\x0cOpenResponse\x12\r\n\x05\x64ocid\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\r\n\x05title\x18\x04 \x01(\t*T\n\nSearchMode\x12\x16\n\x12SEARCH_MODE_HYBRID\x10\x00\x12\x17\n\x13SEARCH_MODE_LEXICAL\x10\x01\x12\x15\n\x11SEARCH_MODE_DENSE\x10\x02\x32\xde\x01\n\x10RetrievalService\x12?\n\x06Search\x12\x19.bcstack.v1.SearchRequest\x1a\x1a.bcstack.v1.SearchResponse\x12N\n\x0b\x42\x61tchSearch\x12\x1e.bcstack.v1.BatchSearchRequest\x1a\x1f.bcstack.v1.BatchSearchResponse\x12\x39\n\x04Open\x12\x17.bcstack.v1.OpenRequest\x1a\x18.bcstack.v1.OpenResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bcstack.v1.retrieval_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SEARCHMODE']._serialized_start=927
-  _globals['_SEARCHMODE']._serialized_end=1011
+  _globals['_SEARCHMODE']._serialized_start=942
+  _globals['_SEARCHMODE']._serialized_end=1026
   _globals['_SEARCHREQUEST']._serialized_start=43
   _globals['_SEARCHREQUEST']._serialized_end=200
   _globals['_SEARCHHIT']._serialized_start=203
-  _globals['_SEARCHHIT']._serialized_end=357
-  _globals['_SEARCHTIMINGS']._serialized_start=360
-  _globals['_SEARCHTIMINGS']._serialized_end=514
-  _globals['_SEARCHRESPONSE']._serialized_start=517
-  _globals['_SEARCHRESPONSE']._serialized_end=658
-  _globals['_BATCHSEARCHREQUEST']._serialized_start=660
-  _globals['_BATCHSEARCHREQUEST']._serialized_end=725
-  _globals['_BATCHSEARCHRESPONSE']._serialized_start=727
-  _globals['_BATCHSEARCHRESPONSE']._serialized_end=795
-  _globals['_OPENREQUEST']._serialized_start=797
-  _globals['_OPENREQUEST']._serialized_end=852
-  _globals['_OPENRESPONSE']._serialized_start=854
-  _globals['_OPENRESPONSE']._serialized_end=925
-  _globals['_RETRIEVALSERVICE']._serialized_start=1014
-  _globals['_RETRIEVALSERVICE']._serialized_end=1236
+  _globals['_SEARCHHIT']._serialized_end=372
+  _globals['_SEARCHTIMINGS']._serialized_start=375
+  _globals['_SEARCHTIMINGS']._serialized_end=529
+  _globals['_SEARCHRESPONSE']._serialized_start=532
+  _globals['_SEARCHRESPONSE']._serialized_end=673
+  _globals['_BATCHSEARCHREQUEST']._serialized_start=675
+  _globals['_BATCHSEARCHREQUEST']._serialized_end=740
+  _globals['_BATCHSEARCHRESPONSE']._serialized_start=742
+  _globals['_BATCHSEARCHRESPONSE']._serialized_end=810
+  _globals['_OPENREQUEST']._serialized_start=812
+  _globals['_OPENREQUEST']._serialized_end=867
+  _globals['_OPENRESPONSE']._serialized_start=869
+  _globals['_OPENRESPONSE']._serialized_end=940
+  _globals['_RETRIEVALSERVICE']._serialized_start=1029
+  _globals['_RETRIEVALSERVICE']._serialized_end=1251
 # @@protoc_insertion_point(module_scope)

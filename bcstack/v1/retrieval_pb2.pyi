@@ -31,7 +31,7 @@ class SearchRequest(_message.Message):
     def __init__(self, query: _Optional[str] = ..., k: _Optional[int] = ..., mode: _Optional[_Union[SearchMode, str]] = ..., window: _Optional[int] = ..., snippet_words: _Optional[int] = ...) -> None: ...
 
 class SearchHit(_message.Message):
-    __slots__ = ("docid", "url", "text", "score", "lexical_rank", "lexical_score", "dense_rank", "dense_score")
+    __slots__ = ("docid", "url", "text", "score", "lexical_rank", "lexical_score", "dense_rank", "dense_score", "title")
     DOCID_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class SearchHit(_message.Message):
     LEXICAL_SCORE_FIELD_NUMBER: _ClassVar[int]
     DENSE_RANK_FIELD_NUMBER: _ClassVar[int]
     DENSE_SCORE_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
     docid: str
     url: str
     text: str
@@ -48,7 +49,8 @@ class SearchHit(_message.Message):
     lexical_score: float
     dense_rank: int
     dense_score: float
-    def __init__(self, docid: _Optional[str] = ..., url: _Optional[str] = ..., text: _Optional[str] = ..., score: _Optional[float] = ..., lexical_rank: _Optional[int] = ..., lexical_score: _Optional[float] = ..., dense_rank: _Optional[int] = ..., dense_score: _Optional[float] = ...) -> None: ...
+    title: str
+    def __init__(self, docid: _Optional[str] = ..., url: _Optional[str] = ..., text: _Optional[str] = ..., score: _Optional[float] = ..., lexical_rank: _Optional[int] = ..., lexical_score: _Optional[float] = ..., dense_rank: _Optional[int] = ..., dense_score: _Optional[float] = ..., title: _Optional[str] = ...) -> None: ...
 
 class SearchTimings(_message.Message):
     __slots__ = ("lexical_seconds", "embed_seconds", "dense_seconds", "fuse_seconds", "fetch_seconds", "total_seconds")

@@ -326,12 +326,13 @@ def settings_help(cls: type[ServiceSettings]) -> str:
         rows.append(
             (name, env_var_name(cls, name), _type_name(info.annotation), default, info.description or "")
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    # One setting per two lines, so the table survives an 80-column terminal.
     lines = [
         f"Settings of `{cls.service_name}` (precedence: option > environment variable > "
         "--config YAML key > default):"
     ]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
-        lines.append("  " + "  ".join(cells) + ("  " + row[4] if row[4] else ""))
+    for name, env, type_name, default, description in rows:
+        lines.append(f"  {name} ({type_name}, default {default})  env {env}")
+        if description:
+            lines.append(f"      {description}")
     return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,231 @@
+"""`bcstack serve retrieval`: the search core behind HTTP (FastAPI) and gRPC.
+
+HTTP, FoldAgent-compatible (DESIGN.md §8):
+    POST /search {"query", "k"}            -> {"results": [{"docid", "url", "text", "score"}]}
+    POST /open   {"docid" | "url"}         -> {"results": [{"docid", "url", "text"}]}
+and the richer
+    POST /v1/search {"query", "k", "mode", "window", "snippet_words"}
+        -> {"results": [{"docid", "url", "title", "text", "score", "ranks"}], "degraded", ...}
+gRPC: bcstack.v1.RetrievalService (Search, BatchSearch, Open), with health and reflection.
+
+Errors: a bad request is 400 / INVALID_ARGUMENT, an unknown page 404 / NOT_FOUND, no retriever
+able to answer 503 / UNAVAILABLE, each with a message. Both transports call the same core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, Field
+
+from bcstack.v1 import retrieval_pb2, retrieval_pb2_grpc
+from services.common.grpc_server import GrpcServer
+from services.common.http import create_app
+from services.common.metrics import new_registry
+from services.retrieval.core import (
+    Hit,
+    InvalidRequest,
+    NotFound,
+    RetrievalMetrics,
+    SearchCore,
+    SearchQuery,
+    SearchResult,
+    Unavailable,
+)
+from services.retrieval.settings import RetrievalSettings
+
+SERVICE = "retrieval"
+_MODES = {
+    retrieval_pb2.SEARCH_MODE_HYBRID: "hybrid",
+    retrieval_pb2.SEARCH_MODE_LEXICAL: "lexical",
+    retrieval_pb2.SEARCH_MODE_DENSE: "dense",
+}
+
+
+# --- HTTP ----------------------------------------------------------------------------------------
+
+
+class SearchBody(BaseModel):
+    query: str
+    k: int = 10
+
+
+class OpenBody(BaseModel):
+    docid: str | int | None = None
+    url: str | None = None
+
+
+class SearchV1Body(BaseModel):
+    query: str
+    k: int = 10
+    mode: str = "hybrid"
+    window: int | None = None
+    snippet_words: int | None = Field(None, description="words of text per hit; 0 = full text")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+def _hit_v1(h: Hit) -> dict[str, Any]:
+    return {
+        "docid": h.docid,
+        "url": h.url,
+        "title": h.title,
+        "text": h.text,
+        "score": h.score,
+        "ranks": {name: {"rank": r, "score": s} for name, (r, s) in h.ranks.items()},
+    }
+
+
+def build_http_app(core: SearchCore, settings: RetrievalSettings, registry: CollectorRegistry) -> FastAPI:
+    app = create_app(SERVICE, settings, registry, health_check=core.health)
+
+    async def run_search(q: SearchQuery) -> SearchResult | JSONResponse:
+        try:
+            return await core.search(q, "http")
+        except InvalidRequest as e:
+            return _error(400, str(e))
+        except Unavailable as e:
+            return _error(503, str(e))
+
+    @app.post("/search")
+    async def search(body: SearchBody) -> Any:
+        result = await run_search(SearchQuery(body.query, body.k))
+        if isinstance(result, JSONResponse):
+            return result
+        return {
+            "results": [
+                {"docid": h.docid, "url": h.url, "text": h.text, "score": h.score} for h in result.hits
+            ]
+        }
+
+    @app.post("/v1/search")
+    async def search_v1(body: SearchV1Body) -> Any:
+        result = await run_search(SearchQuery(body.query, body.k, body.mode, body.window, body.snippet_words))
+        if isinstance(result, JSONResponse):
+            return result
+        return {
+            "results": [_hit_v1(h) for h in result.hits],
+            "degraded": result.degraded,
+            "failed_backends": result.failed_backends,
+            "timings": result.timings,
+        }
+
+    @app.post("/open")
+    async def open_page(body: OpenBody) -> Any:
+        try:
+            doc = await core.open(None if body.docid is None else str(body.docid), body.url, "http")
+        except InvalidRequest as e:
+            return _error(400, str(e))
+        except NotFound as e:
+            return _error(404, str(e))
+        except Unavailable as e:
+            return _error(503, str(e))
+        return {"results": [{"docid": doc.docid, "url": doc.url, "text": doc.text}]}
+
+    return app
+
+
+# --- gRPC ----------------------------------------------------------------------------------------
+
+
+def _response(result: SearchResult) -> retrieval_pb2.SearchResponse:
+    hits = []
+    for h in result.hits:
+        lex = h.ranks.get("lexical", (0, 0.0))
+        dense = h.ranks.get("dense", (0, 0.0))
+        hits.append(
+            retrieval_pb2.SearchHit(
+                docid=h.docid,
+                url=h.url,
+                title=h.title,
+                text=h.text,
+                score=h.score,
+                lexical_rank=lex[0],
+                lexical_score=lex[1],
+                dense_rank=dense[0],
+                dense_score=dense[1],
+            )
+        )
+    t = result.timings
+    timings = retrieval_pb2.SearchTimings(
+        lexical_seconds=t.get("lexical", 0.0),
+        embed_seconds=t.get("embed", 0.0),
+        dense_seconds=t.get("dense", 0.0),
+        fuse_seconds=t.get("fuse", 0.0),
+        fetch_seconds=t.get("fetch", 0.0),
+        total_seconds=t.get("total", 0.0),
+    )
+    return retrieval_pb2.SearchResponse(
+        hits=hits,
+        degraded=result.degraded,
+        degraded_backend=",".join(result.failed_backends),
+        timings=timings,
+    )
+
+
+def _query(req: retrieval_pb2.SearchRequest) -> SearchQuery:
+    return SearchQuery(
+        query=req.query,
+        k=req.k or 10,
+        mode=_MODES.get(req.mode, f"unknown({req.mode})"),
+        window=req.window if req.HasField("window") else None,
+        snippet_words=req.snippet_words if req.HasField("snippet_words") else None,
+    )
+
+
+class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
+    def __init__(self, core: SearchCore) -> None:
+        self.core = core
+
+    async def _guard(self, context: grpc.aio.ServicerContext, coro: Any) -> Any:
+        try:
+            return await coro
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except Unavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def Search(self, request, context):  # noqa: N802 - gRPC method name
+        result = await self._guard(context, self.core.search(_query(request), "grpc"))
+        return _response(result)
+
+    async def BatchSearch(self, request, context):  # noqa: N802
+        results = await self._guard(
+            context, self.core.search_many([_query(r) for r in request.requests], "grpc")
+        )
+        return retrieval_pb2.BatchSearchResponse(responses=[_response(r) for r in results])
+
+    async def Open(self, request, context):  # noqa: N802
+        target = request.WhichOneof("target")
+        doc = await self._guard(
+            context,
+            self.core.open(
+                request.docid if target == "docid" else None, request.url if target == "url" else None, "grpc"
+            ),
+        )
+        return retrieval_pb2.OpenResponse(docid=doc.docid, url=doc.url, text=doc.text, title=doc.title)
+
+
+# --- process -------------------------------------------------------------------------------------
+
+
+def build(settings: RetrievalSettings) -> tuple[FastAPI, GrpcServer | None, SearchCore]:
+    """Open the index and build both transports on one registry (what `bcstack serve retrieval` runs)."""
+    from services.retrieval.index import open_index
+
+    registry = new_registry()
+    core = SearchCore(open_index(settings), settings, RetrievalMetrics(registry))
+    app = build_http_app(core, settings, registry)
+    server = None
+    if settings.grpc_port is not None:
+        server = GrpcServer(SERVICE, settings, registry)
+        server.add(retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server, RetrievalServicer(core))
+    return app, server, core
