@@ -183,14 +183,20 @@ def _histograms(url: str) -> dict[str, list[tuple[float, float]]]:
 
 
 def _quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
-    """Quantile from the bucket deltas (upper bound of the bucket that holds it), in ms."""
+    """Quantile from the bucket deltas, interpolated linearly inside its bucket as PromQL's
+    histogram_quantile does, in ms."""
     delta = [(le, a - b) for (le, a), (_, b) in zip(sorted(after), sorted(before), strict=True)]
     total = delta[-1][1] if delta else 0
     if total <= 0:
         return float("nan")
+    lower_le, lower_count = 0.0, 0.0
     for le, count in delta:
         if count >= q * total:
-            return le * 1e3
+            if le == float("inf"):
+                return lower_le * 1e3
+            share = (q * total - lower_count) / max(count - lower_count, 1e-12)
+            return (lower_le + (le - lower_le) * share) * 1e3
+        lower_le, lower_count = le, count
     return float("inf")
 
 
@@ -218,7 +224,10 @@ def service_run(
     )
     report = run_loadtest(config)
     after = _histograms(http)
-    stages = {s: (_quantile(before[s], after[s], 0.5), _quantile(before[s], after[s], 0.99)) for s in after}
+    stages = {}
+    for s, buckets in after.items():
+        base = before.get(s) or [(le, 0.0) for le, _ in buckets]  # no search yet: all zero
+        stages[s] = (_quantile(base, buckets, 0.5), _quantile(base, buckets, 0.99))
     return {
         "qps": report.achieved_qps,
         "p50_ms": report.latency_ms["p50"],
@@ -308,7 +317,7 @@ def main() -> None:
                 f"{path:<11} {c:>4} {r['qps']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {ratio:>10.2f} "
                 f"{r.get('errors', 0):>6}"
             )
-    print("\nper-stage latency p50 / p99 ms (service: from /metrics buckets, upper bounds)")
+    print("\nper-stage latency p50 / p99 ms (service: from /metrics buckets, interpolated)")
     print(f"{'path':<11} {'conc':>4} " + " ".join(f"{s:>15}" for s in STAGES))
     for path, rows in results.items():
         for c, r in rows.items():

@@ -20,7 +20,7 @@ def _readme_commands() -> list[list[str]]:
     """Every `bcstack <group> <command>` the README shows."""
     found = []
     for line in (ROOT / "README.md").read_text().splitlines():
-        m = re.match(r"^bcstack ([a-z-]+)(?: ([a-z-]+))?", line.strip())
+        m = re.match(r"^bcstack ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?", line.strip())
         if m:
             found.append([w for w in m.groups() if w])
     return found

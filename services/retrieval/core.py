@@ -30,7 +30,10 @@ MODES = ("hybrid", "lexical", "dense")
 T = TypeVar("T")
 
 # Retrieval latencies sit between ~0.2 ms (an Edge lookup) and seconds (a slow remote backend).
-STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+STAGE_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
 
 
 class InvalidRequest(ValueError):

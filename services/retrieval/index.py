@@ -62,7 +62,10 @@ def make_embedder(model: str, settings: RetrievalSettings) -> Embedder:
     from services.retrieval.embedder import SentenceTransformerEmbedder
 
     try:
-        return SentenceTransformerEmbedder(model)
+        options = {"batch_size": settings.embed_doc_batch_size}
+        if settings.embed_max_length is not None:
+            options.update(max_length=settings.embed_max_length, doc_max_length=settings.embed_max_length)
+        return SentenceTransformerEmbedder(model, **options)
     except Exception as e:  # a wrong name or path: say which, never a traceback
         raise RetrievalIndexError(f"cannot load embedder {model!r}: {e}") from None
 
@@ -186,7 +189,7 @@ def ingest(
         "version": MANIFEST_VERSION,
         "lexical": lexical_kind,
         "dense": dense_kind,
-        "embedder": {"model": model, "dim": embedder.dim},
+        "embedder": {"model": model, "dim": embedder.dim, "max_length": settings.embed_max_length},
         "bm25": {"k1": settings.bm25_k1, "b": settings.bm25_b},
         "elasticsearch_index": settings.elasticsearch_index if lexical_kind == "elasticsearch" else None,
         "qdrant_collection": settings.qdrant_collection if dense_kind == "qdrant" else None,

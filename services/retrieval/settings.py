@@ -47,6 +47,12 @@ class RetrievalSettings(ServiceSettings):
         None, description="sentence-transformers model name or path; unset = the index's (all-MiniLM-L6-v2)"
     )
     embed_batch_size: int = Field(32, gt=0, description="most queries embedded in one micro-batch")
+    embed_max_length: int | None = Field(
+        None,
+        gt=0,
+        description="token limit for queries and documents; unset = 256 (Qwen3-Embedding: 4096 for docs)",
+    )
+    embed_doc_batch_size: int = Field(64, gt=0, description="documents per forward pass while indexing")
     embed_max_wait_ms: float = Field(3.0, ge=0, description="how long a query waits for others to batch with")
     ingest_batch_size: int = Field(256, gt=0, description="documents per ingest batch")
 
