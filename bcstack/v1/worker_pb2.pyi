@@ -77,7 +77,7 @@ class ToolCallRecord(_message.Message):
     def __init__(self, turn: _Optional[int] = ..., name: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("token_ids", "loss_mask", "rollout_logprobs", "turns", "tool_calls", "stop_reason", "tokens_used", "turns_used")
+    __slots__ = ("token_ids", "loss_mask", "rollout_logprobs", "turns", "tool_calls", "stop_reason", "tokens_used", "turns_used", "error")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Trajectory(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
     TURNS_USED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
     rollout_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -94,7 +95,8 @@ class Trajectory(_message.Message):
     stop_reason: _common_pb2.StopReason
     tokens_used: int
     turns_used: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., tokens_used: _Optional[int] = ..., turns_used: _Optional[int] = ...) -> None: ...
+    error: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., tokens_used: _Optional[int] = ..., turns_used: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RunWorkerEpisodeResponse(_message.Message):
     __slots__ = ("episode_id", "report", "trajectory", "usage")

@@ -1,0 +1,354 @@
+"""One worker episode, from a task to a finished trajectory (the worker sidecar's core).
+
+The loop, per assistant turn:
+
+1. ask the budget whether the turn may start and with how many new tokens
+   (``max_new_tokens = min(per-turn cap, budget left)``, seed 001: 4,096 / 24,576);
+2. generate token-in-token-out through the engine (SGLang ``/generate`` with ``input_ids`` and
+   ``return_logprob``), so the trajectory holds the exact ids the model produced and their
+   rollout log-probs;
+3. parse the function calls (shared protocol parser) and run them: ``search`` and
+   ``open_page`` against the retrieval service, ``finish`` ends the episode;
+4. append the observation as the next user message. The chat template (Qwen3 keep-thinking)
+   is append-only, so the tokens appended are exactly the template's text between the end of
+   the assistant turn and the next generation prompt; a turn cut by ``max_new_tokens`` gets
+   its ``<|im_end|>`` appended first (loss mask 0, like every token not generated).
+
+The episode stops on ``finish`` (an answer), ``budget`` (24,576 tokens counting prompt,
+generations and observations), ``turns`` (40), ``context`` (the server's window) or
+``error`` (the engine or retrieval failing for good). A runtime STOP gate, off by default,
+is consulted between turns: it may add a message asking the model to answer now.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from bcstack.modelkit.chat_template import render_chat
+from services.common import protocol as p
+from services.common.budget import BudgetLimits, StopReason, TurnGrant, WorkerBudget
+from services.worker.retrieval_client import RetrievalFailed, ToolInputRejected
+
+IM_END = "<|im_end|>"
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def convert_tokens_to_ids(self, token: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class ProtocolSettings:
+    """How observations are rendered; the defaults are what a FoldAgent-trained worker expects."""
+
+    search_k: int = 50  # results asked of the retrieval service (FoldAgent asks 50, shows topk)
+    default_topk: int = p.DEFAULT_TOPK
+    max_topk: int = p.MAX_TOPK
+    snippet_words: int = p.SNIPPET_WORDS
+    seen_snippet_words: int = p.SEEN_SNIPPET_WORDS
+    page_words: int = p.PAGE_WORDS
+    reflection_nudge: bool = True
+    resubmit_empty_finish: bool = True
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int | None = None
+    seed: int | None = None
+
+
+@dataclass
+class TurnRecord:
+    prompt_start: int  # where the tokens appended before this generation begin
+    gen_start: int
+    gen_end: int
+    weight_version: str
+    finish_reason: str
+    engine_s: float = 0.0
+    tools_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.gen_end - self.gen_start
+
+
+@dataclass
+class ToolCallRecord:
+    turn: int
+    name: str
+    params: dict[str, str]
+    outcome: str  # ok | error | unknown_tool | missing_parameter | not_found
+    error: str = ""
+
+
+@dataclass
+class Trajectory:
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    stop_reason: str = ""
+    error: str = ""
+
+    def extend(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] = ()) -> None:
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([mask] * len(ids))
+        self.rollout_logprobs.extend(logprobs)
+
+
+@dataclass
+class EpisodeResult:
+    episode_id: str
+    status: str  # the stop reason
+    answer: str
+    explanation: str
+    confidence: str
+    trajectory: Trajectory
+    messages: list[dict[str, str]]
+    prompt_tokens: int
+    completion_tokens: int
+    observation_tokens: int
+    seconds: float
+
+    @property
+    def turns(self) -> int:
+        return len(self.trajectory.turns)
+
+    @property
+    def tokens_used(self) -> int:
+        return len(self.trajectory.token_ids)
+
+
+GateFn = Callable[[list[dict[str, str]], WorkerBudget], Awaitable[str | None] | str | None]
+
+
+class EpisodeRunner:
+    """Runs episodes against one engine and one retrieval service; safe to share across tasks."""
+
+    def __init__(
+        self,
+        engine: Any,  # services.worker.engine_client.EngineClient (or a test double with .generate)
+        retrieval: Any,  # services.worker.retrieval_client.RetrievalClient
+        tokenizer: Tokenizer,
+        *,
+        limits: BudgetLimits | None = None,
+        sampling: Sampling | None = None,
+        protocol: ProtocolSettings | None = None,
+        stop_gate: GateFn | None = None,
+        on_turn: Callable[[TurnRecord], None] | None = None,
+        on_tool_call: Callable[[ToolCallRecord], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.retrieval = retrieval
+        self.tokenizer = tokenizer
+        self.limits = limits or BudgetLimits()
+        self.sampling = sampling or Sampling()
+        self.protocol = protocol or ProtocolSettings()
+        self.stop_gate = stop_gate
+        self.on_turn = on_turn
+        self.on_tool_call = on_tool_call
+        self.eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def run(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        episode_id: str = "",
+        limits: BudgetLimits | None = None,
+        sampling: Sampling | None = None,
+    ) -> EpisodeResult:
+        start = time.perf_counter()
+        limits = limits or self.limits
+        sampling = sampling or self.sampling
+        convo = [dict(m) for m in messages]
+        traj = Trajectory()
+        budget = WorkerBudget(limits)
+        seen: set[str] = set()
+        finish: p.FinishAction | None = None
+
+        prompt_text = render_chat(convo, add_generation_prompt=True)
+        prompt_ids = self._encode(prompt_text)
+        traj.extend(prompt_ids, 0)
+        stop = budget.start(len(prompt_ids))
+        prompt_start = 0
+        while stop is None:
+            grant = budget.before_turn()
+            if isinstance(grant, StopReason):
+                stop = grant
+                break
+            turn_start = time.perf_counter()
+            record, reply, stop = await self._generate(traj, grant, sampling, prompt_start)
+            if record is None:
+                break
+            budget.add_generation(record.generated_tokens, grant)
+            convo.append({"role": "assistant", "content": reply})
+            tools_start = time.perf_counter()
+            parts, finish, stop = await self._act(reply, len(traj.turns) - 1, traj, seen)
+            record.tools_s = time.perf_counter() - tools_start
+            record.total_s = time.perf_counter() - turn_start
+            if self.on_turn:
+                self.on_turn(record)
+            if stop is not None:
+                break
+            # Upstream returns the resubmit message bare, without the reflection nudge.
+            resubmit = parts == [p.EMPTY_FINISH_RESUBMIT]
+            observation = p.finish_observation(
+                parts, reflection_nudge=self.protocol.reflection_nudge and not resubmit
+            )
+            gate_message = await self._gate(convo, budget)
+            if gate_message:
+                observation = f"{observation}\n\n{gate_message}" if observation else gate_message
+            glue = self._glue(convo, observation, cut=record.finish_reason != "stop")
+            stop = budget.add_observation(len(glue))
+            if stop is not None:
+                break
+            convo.append({"role": "user", "content": observation})
+            prompt_start = len(traj.token_ids)
+            traj.extend(glue, 0)
+        traj.stop_reason = str(stop)
+        gen = sum(t.generated_tokens for t in traj.turns)
+        return EpisodeResult(
+            episode_id=episode_id,
+            status=str(stop),
+            answer=finish.answer if finish else "",
+            explanation=finish.explanation if finish else "",
+            confidence=finish.confidence if finish else "",
+            trajectory=traj,
+            messages=convo,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=gen,
+            observation_tokens=len(traj.token_ids) - len(prompt_ids) - gen,
+            seconds=time.perf_counter() - start,
+        )
+
+    async def _generate(
+        self, traj: Trajectory, grant: TurnGrant, sampling: Sampling, prompt_start: int
+    ) -> tuple[TurnRecord | None, str, StopReason | None]:
+        from services.worker.engine_client import EngineError, EngineUnavailable
+
+        t0 = time.perf_counter()
+        try:
+            out = await self.engine.generate(
+                traj.token_ids,
+                max_new_tokens=grant.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                seed=sampling.seed,
+                return_logprob=True,
+            )
+        except EngineUnavailable as e:
+            traj.error = f"engine unavailable: {e}"
+            return None, "", StopReason.ERROR
+        except EngineError as e:
+            traj.error = f"engine error: {e}"
+            context = getattr(e, "status", None) == 400 and "context" in str(e).lower()
+            return None, "", StopReason.CONTEXT if context else StopReason.ERROR
+        ids = list(out.output_ids)
+        if len(ids) > grant.max_new_tokens or len(out.logprobs) != len(ids):
+            traj.error = (
+                f"engine returned {len(ids)} tokens with {len(out.logprobs)} log-probs "
+                f"for max_new_tokens={grant.max_new_tokens}"
+            )
+            return None, "", StopReason.ERROR
+        gen_start = len(traj.token_ids)
+        traj.extend(ids, 1, out.logprobs)
+        record = TurnRecord(
+            prompt_start=prompt_start,
+            gen_start=gen_start,
+            gen_end=len(traj.token_ids),
+            weight_version=str(out.weight_version or ""),
+            finish_reason=out.finish_reason,
+            engine_s=time.perf_counter() - t0,
+        )
+        traj.turns.append(record)
+        content_ids = ids[:-1] if ids and ids[-1] == self.eos_id else ids
+        reply = self.tokenizer.decode(content_ids, skip_special_tokens=False)
+        return record, reply, None
+
+    def _glue(self, convo: list[dict[str, str]], observation: str, *, cut: bool) -> list[int]:
+        """The tokens between the end of the last generation and the next generation prompt."""
+        before = render_chat(convo)  # ... <|im_start|>assistant\n{reply}<|im_end|>\n
+        after = render_chat([*convo, {"role": "user", "content": observation}], add_generation_prompt=True)
+        if not after.startswith(before):  # the template is append-only; anything else is a bug
+            raise AssertionError("chat template is not append-only")
+        tail = after[before.rindex(IM_END) + len(IM_END) :]
+        return ([self.eos_id] if cut else []) + self._encode(tail)
+
+    async def _gate(self, convo: list[dict[str, str]], budget: WorkerBudget) -> str | None:
+        if self.stop_gate is None:
+            return None
+        verdict = self.stop_gate(convo, budget)
+        if hasattr(verdict, "__await__"):
+            verdict = await verdict  # type: ignore[misc]
+        return verdict or None
+
+    async def _act(
+        self, reply: str, turn: int, traj: Trajectory, seen: set[str]
+    ) -> tuple[list[str], p.FinishAction | None, StopReason | None]:
+        """Run the turn's calls; (observation parts, the finish action if any, a stop reason)."""
+        calls = p.parse_calls(reply)
+        if not calls:
+            return [p.NO_CALL_ERROR], None, None
+        parts: list[str] = []
+        ps = self.protocol
+        for call in calls:
+            action = p.validate_call(call, p.WORKER_TOOLS, default_topk=ps.default_topk, max_topk=ps.max_topk)
+            rec = ToolCallRecord(turn, call.name, dict(call.params), "ok")
+            traj.tool_calls.append(rec)
+            try:
+                if isinstance(action, p.CallError):
+                    rec.outcome = "unknown_tool" if call.name not in p.WORKER_TOOLS else "missing_parameter"
+                    rec.error = action.message
+                    parts.append(action.message)
+                elif isinstance(action, p.FinishAction):
+                    if not action.answer.strip() and ps.resubmit_empty_finish:
+                        rec.outcome, rec.error = "error", "empty answer"
+                        return [p.EMPTY_FINISH_RESUBMIT], None, None
+                    return parts, action, StopReason.FINISH
+                elif isinstance(action, p.SearchAction):
+                    pages = await self.retrieval.search(
+                        action.query, ps.search_k, snippet_words=ps.snippet_words
+                    )
+                    parts.append(
+                        p.render_search_results(
+                            action.query,
+                            pages,
+                            seen,
+                            action.topk,
+                            snippet_words=ps.snippet_words,
+                            seen_snippet_words=ps.seen_snippet_words,
+                        )
+                    )
+                elif isinstance(action, p.OpenPageAction):
+                    pages = await self.retrieval.open(action.docid, action.url)
+                    if pages:
+                        parts.append(p.render_open_page(pages, page_words=ps.page_words))
+                    else:
+                        rec.outcome = "not_found"
+                        rec.error = p.page_not_found_error(action.docid, action.url)
+                        parts.append(rec.error)
+            except ToolInputRejected as e:
+                rec.outcome, rec.error = "error", f"[Error] {e}"
+                parts.append(rec.error)
+            except RetrievalFailed as e:
+                rec.outcome, rec.error = "error", str(e)
+                traj.error = str(e)
+                return parts, None, StopReason.ERROR
+            finally:
+                if self.on_tool_call:
+                    self.on_tool_call(rec)
+        return parts, None, None

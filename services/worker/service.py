@@ -1,0 +1,358 @@
+"""`bcstack serve worker`: episodes over gRPC (RunEpisode), health and metrics over HTTP.
+
+A request carries a task (chat messages, or the coordinator's branch description and prompt),
+optional budget and sampling overrides; the response carries the worker report for the
+coordinator, the token-level trajectory for the trainer, and usage. A budget, turn or context
+stop is a normal response; a bad request is INVALID_ARGUMENT; a full worker answers
+RESOURCE_EXHAUSTED at once (backpressure: the caller tries another replica or later).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common import protocol as p
+from services.common.budget import BudgetLimits
+from services.common.grpc_server import GrpcServer
+from services.common.http import create_app
+from services.common.metrics import new_registry
+from services.worker.prompts import WORKER_SYSTEM_PROMPT
+from services.worker.runner import (
+    EpisodeResult,
+    EpisodeRunner,
+    ProtocolSettings,
+    Sampling,
+    ToolCallRecord,
+    TurnRecord,
+)
+from services.worker.settings import WorkerSettings
+
+SERVICE = "worker"
+STOP_REASONS = ("finish", "budget", "turns", "context", "error")
+_STOP_PB = {
+    "finish": common_pb2.STOP_REASON_FINISH,
+    "budget": common_pb2.STOP_REASON_BUDGET,
+    "turns": common_pb2.STOP_REASON_TURNS,
+    "context": common_pb2.STOP_REASON_CONTEXT,
+    "error": common_pb2.STOP_REASON_ERROR,
+}
+# Buckets that resolve the seed-001 limits exactly: 24,576 tokens, 40 turns, 4,096 per turn.
+EPISODE_TOKEN_BUCKETS = (
+    512, 1024, 2048, 4096, 8192, 12288, 16384, 20480, 22528, 24064, 24575, 24576, 28672, 32768, 40960,
+)  # fmt: skip
+EPISODE_TURN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 35, 39, 40, 50)
+TURN_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4095, 4096, 8192)
+SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, settings: WorkerSettings) -> None:
+        self.episode_tokens = Histogram(
+            "bcstack_worker_episode_tokens",
+            "Tokens per worker episode (prompt + generations + observations).",
+            buckets=EPISODE_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.episode_turns = Histogram(
+            "bcstack_worker_episode_turns",
+            "Assistant turns per worker episode.",
+            buckets=EPISODE_TURN_BUCKETS,
+            registry=registry,
+        )
+        self.turn_tokens = Histogram(
+            "bcstack_worker_turn_generated_tokens",
+            "Generated tokens per assistant turn.",
+            buckets=TURN_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.episodes = Counter(
+            "bcstack_worker_episodes_total",
+            "Finished worker episodes by stop reason.",
+            ["stop_reason"],
+            registry=registry,
+        )
+        for reason in STOP_REASONS:
+            self.episodes.labels(reason)
+        self.tool_calls = Counter(
+            "bcstack_worker_tool_calls_total",
+            "Tool calls by tool and outcome.",
+            ["tool", "outcome"],
+            registry=registry,
+        )
+        self.episode_seconds = Histogram(
+            "bcstack_worker_episode_duration_seconds",
+            "Wall time of a worker episode.",
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.engine_seconds = Histogram(
+            "bcstack_worker_engine_request_duration_seconds",
+            "Time of one /generate call.",
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.engine_errors = Counter(
+            "bcstack_worker_engine_errors_total",
+            "Episodes ended by an engine or retrieval failure, by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        self.active = Gauge("bcstack_worker_active_episodes", "Episodes running now.", registry=registry)
+        self.rejected = Counter(
+            "bcstack_worker_rejected_total",
+            "Requests refused, by reason (full, invalid).",
+            ["reason"],
+            registry=registry,
+        )
+        limits = Gauge("bcstack_worker_limit", "Configured per-episode limits.", ["limit"], registry=registry)
+        limits.labels("max_tokens").set(settings.max_tokens)
+        limits.labels("max_turns").set(settings.max_turns)
+        limits.labels("max_new_tokens_per_turn").set(settings.max_new_tokens_per_turn)
+        limits.labels("context_length").set(settings.context_length)
+        limits.labels("max_concurrent_episodes").set(settings.max_concurrent_episodes)
+
+    def turn(self, record: TurnRecord) -> None:
+        self.turn_tokens.observe(record.generated_tokens)
+        self.engine_seconds.observe(record.engine_s)
+
+    def tool_call(self, record: ToolCallRecord) -> None:
+        tool = record.name if record.name in p.WORKER_TOOLS else "unknown"
+        self.tool_calls.labels(tool, record.outcome).inc()
+
+    def episode(self, result: EpisodeResult) -> None:
+        self.episodes.labels(result.status).inc()
+        self.episode_tokens.observe(result.tokens_used)
+        self.episode_turns.observe(result.turns)
+        self.episode_seconds.observe(result.seconds)
+        if result.status == "error":
+            kind = "engine" if result.trajectory.error.startswith("engine") else "retrieval"
+            self.engine_errors.labels(kind).inc()
+
+
+class InvalidTask(ValueError):
+    pass
+
+
+class WorkerCore:
+    """Validation, admission and bookkeeping around the episode runner (transport-free)."""
+
+    def __init__(self, runner: EpisodeRunner, settings: WorkerSettings, metrics: WorkerMetrics) -> None:
+        self.runner = runner
+        self.settings = settings
+        self.metrics = metrics
+        self.active = 0
+        self.system_prompt = (
+            Path(settings.system_prompt_file).read_text()
+            if settings.system_prompt_file
+            else WORKER_SYSTEM_PROMPT
+        )
+
+    def messages_of(self, request: worker_pb2.RunWorkerEpisodeRequest) -> list[dict[str, str]]:
+        kind = request.WhichOneof("task")
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+                raise InvalidTask("chat task needs a non-empty user message")
+            bad = [m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")]
+            if bad:
+                raise InvalidTask(f"unknown message role {bad[0]!r}")
+        elif kind == "branch":
+            if not request.branch.prompt.strip():
+                raise InvalidTask("branch task needs a non-empty prompt")
+            messages = [
+                {"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": request.branch.prompt},
+            ]
+        else:
+            raise InvalidTask("no task: set chat or branch")
+        size = sum(len(m["content"]) for m in messages)
+        if size > self.settings.max_task_chars:
+            raise InvalidTask(f"task is {size} characters; the limit is {self.settings.max_task_chars}")
+        return messages
+
+    def limits_of(self, request: worker_pb2.RunWorkerEpisodeRequest) -> BudgetLimits:
+        s, b = self.settings, request.budget
+        base = BudgetLimits(s.max_tokens, s.max_turns, s.max_new_tokens_per_turn, s.context_length)
+        try:
+            return base.with_overrides(
+                max_tokens=b.max_tokens if b.HasField("max_tokens") else None,
+                max_turns=b.max_turns if b.HasField("max_turns") else None,
+                max_new_tokens_per_turn=b.max_new_tokens if b.HasField("max_new_tokens") else None,
+                context_length=b.context_length if b.HasField("context_length") else None,
+            )
+        except ValueError as e:
+            raise InvalidTask(str(e)) from None
+
+    def sampling_of(self, request: worker_pb2.RunWorkerEpisodeRequest) -> Sampling:
+        s, o = self.settings, request.sampling
+        sampling = Sampling(
+            temperature=o.temperature if o.HasField("temperature") else s.temperature,
+            top_p=o.top_p if o.HasField("top_p") else s.top_p,
+            top_k=o.top_k if o.HasField("top_k") else s.top_k,
+            seed=o.seed if o.HasField("seed") else None,
+        )
+        if (
+            sampling.temperature < 0
+            or not 0 < sampling.top_p <= 1
+            or (sampling.top_k is not None and sampling.top_k < 1)
+        ):
+            raise InvalidTask("sampling: temperature >= 0, 0 < top_p <= 1, top_k >= 1")
+        return sampling
+
+    async def run(self, request: worker_pb2.RunWorkerEpisodeRequest) -> EpisodeResult:
+        try:
+            messages = self.messages_of(request)
+            limits = self.limits_of(request)
+            sampling = self.sampling_of(request)
+        except InvalidTask:
+            self.metrics.rejected.labels("invalid").inc()
+            raise
+        if self.active >= self.settings.max_concurrent_episodes:
+            self.metrics.rejected.labels("full").inc()
+            raise OverCapacity(f"worker is running {self.active} episodes, its limit")
+        self.active += 1
+        self.metrics.active.set(self.active)
+        try:
+            result = await self.runner.run(
+                messages, episode_id=request.episode_id or uuid.uuid4().hex, limits=limits, sampling=sampling
+            )
+        finally:
+            self.active -= 1
+            self.metrics.active.set(self.active)
+        self.metrics.episode(result)
+        return result
+
+
+class OverCapacity(RuntimeError):
+    pass
+
+
+def response_of(result: EpisodeResult, description: str) -> worker_pb2.RunWorkerEpisodeResponse:
+    t = result.trajectory
+    report_text = p.render_worker_report(
+        p.WorkerReportText(description, result.status, result.answer, result.explanation, result.confidence)
+    )
+    return worker_pb2.RunWorkerEpisodeResponse(
+        episode_id=result.episode_id,
+        report=common_pb2.WorkerReport(
+            answer=result.answer,
+            explanation=result.explanation,
+            confidence=result.confidence,
+            stop_reason=_STOP_PB[result.status],
+            raw_text=report_text,
+            episode_id=result.episode_id,
+        ),
+        trajectory=worker_pb2.Trajectory(
+            token_ids=t.token_ids,
+            loss_mask=t.loss_mask,
+            rollout_logprobs=t.rollout_logprobs,
+            turns=[
+                worker_pb2.Turn(
+                    prompt_start=r.prompt_start,
+                    gen_start=r.gen_start,
+                    gen_end=r.gen_end,
+                    generated_tokens=r.generated_tokens,
+                    weight_version=r.weight_version,
+                    finish_reason=r.finish_reason,
+                )
+                for r in t.turns
+            ],
+            tool_calls=[
+                worker_pb2.ToolCallRecord(
+                    turn=c.turn, name=c.name, params=c.params, outcome=c.outcome, error=c.error
+                )
+                for c in t.tool_calls
+            ],
+            stop_reason=_STOP_PB[result.status],
+            tokens_used=result.tokens_used,
+            turns_used=result.turns,
+            error=t.error,
+        ),
+        usage=common_pb2.Usage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            observation_tokens=result.observation_tokens,
+            total_tokens=result.tokens_used,
+            turns=result.turns,
+            tool_calls=len(t.tool_calls),
+        ),
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+
+    async def RunEpisode(self, request, context):  # noqa: N802 - gRPC method name
+        try:
+            result = await self.core.run(request)
+        except InvalidTask as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except OverCapacity as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        description = request.branch.description if request.WhichOneof("task") == "branch" else "task"
+        return response_of(result, description)
+
+
+def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
+    """The runner, its clients and both transports on one registry (what `bcstack serve worker` runs)."""
+    from transformers import AutoTokenizer
+
+    from services.worker.engine_client import EngineClient
+    from services.worker.retrieval_client import RetrievalClient
+
+    if settings.tokenizer is None:
+        raise ValueError(
+            "no tokenizer: pass --tokenizer DIR (the served checkpoint) or set BCSTACK_WORKER_TOKENIZER"
+        )
+    registry = new_registry()
+    metrics = WorkerMetrics(registry, settings)
+    tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer))
+    engine = EngineClient(
+        settings.engine_url, timeout_s=settings.engine_timeout_seconds, retries=settings.engine_retries
+    )
+    retrieval = RetrievalClient(
+        settings.retrieval_address,
+        timeout_s=settings.retrieval_timeout_seconds,
+        attempts=settings.retrieval_retries,
+    )
+    runner = EpisodeRunner(
+        engine,
+        retrieval,
+        tokenizer,
+        limits=BudgetLimits(
+            settings.max_tokens, settings.max_turns, settings.max_new_tokens_per_turn, settings.context_length
+        ),
+        sampling=Sampling(settings.temperature, settings.top_p, settings.top_k),
+        protocol=ProtocolSettings(
+            search_k=settings.search_k,
+            snippet_words=settings.snippet_words,
+            seen_snippet_words=settings.seen_snippet_words,
+            page_words=settings.page_words,
+            reflection_nudge=settings.reflection_nudge,
+            resubmit_empty_finish=settings.resubmit_empty_finish,
+        ),
+        on_turn=metrics.turn,
+        on_tool_call=metrics.tool_call,
+    )
+    core = WorkerCore(runner, settings, metrics)
+    started = time.time()
+    app = create_app(
+        SERVICE,
+        settings,
+        registry,
+        health_check=lambda: {"active_episodes": core.active, "uptime_s": round(time.time() - started)},
+    )
+    server = None
+    if settings.grpc_port is not None:
+        server = GrpcServer(SERVICE, settings, registry)
+        server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(core))
+    return app, server, (engine, retrieval)
