@@ -13,6 +13,8 @@ from bcstack.modelkit.cli import app as model_app
 from bcstack.toyworld.cli import app as toyworld_app
 from services.retrieval import cli as retrieval_cli
 from services.retrieval.loadtest_cli import app as loadtest_app
+from services.engine import cli as engine_cli
+from services.worker import cli as worker_cli
 
 app = typer.Typer(
     name="bcstack",
@@ -29,6 +31,8 @@ serve_app = typer.Typer(
     help="Start one service of the stack (each has --help with its settings).", no_args_is_help=True
 )
 serve_app.command("retrieval")(retrieval_cli.serve)
+serve_app.command("worker")(worker_cli.serve)
+serve_app.command("engine")(engine_cli.serve)
 
 app.add_typer(toyworld_app, name="toyworld")
 app.add_typer(model_app, name="model")

@@ -211,7 +211,10 @@ class EpisodeRunner:
             gate_message = await self._gate(convo, budget)
             if gate_message:
                 observation = f"{observation}\n\n{gate_message}" if observation else gate_message
-            glue = self._glue(convo, observation, cut=record.finish_reason != "stop")
+            # A turn cut by max_new_tokens has no <|im_end|> yet. (SGLang reports "length" even when the
+            # last allowed token was the EOS, so look at the token, not the finish reason.)
+            ended = traj.token_ids[record.gen_end - 1] == self.eos_id if record.generated_tokens else False
+            glue = self._glue(convo, observation, cut=not ended)
             stop = budget.add_observation(len(glue))
             if stop is not None:
                 break

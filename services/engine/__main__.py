@@ -1,0 +1,11 @@
+"""`python -m services.engine ...` = `bcstack serve engine ...` (until the root CLI mounts it)."""
+
+import typer
+
+from services.engine.cli import serve
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command()(serve)
+
+if __name__ == "__main__":
+    app()

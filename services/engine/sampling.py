@@ -1,0 +1,95 @@
+"""Next-token sampling and the log-prob reported for it, as SGLang's sampler does it.
+
+SGLang (`srt/layers/sampler.py`, `Sampler.forward`, default settings):
+- greedy (`temperature` < 1e-6, which SGLang turns into top_k = 1): the arg-max token, and the
+  reported log-prob is `log_softmax(logits)` at that token, unscaled;
+- otherwise: `logits / temperature` -> softmax -> top-k, top-p and min-p filtering -> a draw from
+  the renormalised survivors; the reported log-prob is `log(softmax(logits / temperature))` at the
+  drawn token: temperature-scaled, but *before* the top-k/top-p/min-p filters.
+  (`SGLANG_RETURN_ORIGINAL_LOGPROB=1` would report the unscaled log-softmax instead; the CPU
+  engine keeps SGLang's default, so the trainer's TIS ratio sees the same numbers from both.)
+- the filters use the sorted probabilities: keep rank < top_k, keep a token when the mass of the
+  tokens ranked above it is at most top_p, keep p >= min_p * p_max
+  (`top_k_top_p_min_p_sampling_from_probs_torch`).
+- log-probs are clamped at the dtype's most negative finite value, so -inf never reaches JSON.
+
+Each request draws from its own `torch.Generator`, seeded with `sampling_seed` when given, so a
+seeded request gives the same tokens whatever else is in the batch (up to float round-off in
+the batched forward pass).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Collection
+
+import torch
+
+from services.engine.protocol import SamplingParams
+
+
+def new_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator for one request: seeded with `seed`, or with fresh entropy."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return generator
+
+
+def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """`probs` (1-D) with the tokens top-k, top-p and min-p drop set to zero (not renormalised)."""
+    if top_k == -1 and top_p >= 1.0 and min_p <= 0.0:
+        return probs
+    sorted_probs, order = probs.sort(descending=True)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if top_k != -1:
+        drop[top_k:] = True
+    if top_p < 1.0:
+        mass_above = sorted_probs.cumsum(0) - sorted_probs
+        drop |= mass_above > top_p
+    if min_p > 0.0:
+        drop |= sorted_probs < sorted_probs[0] * min_p
+    drop[0] = False  # the most likely token always survives
+    kept = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(0, order, kept)
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, torch.finfo(torch.float32).min)
+
+
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    banned: Collection[int] = (),
+) -> tuple[int, float]:
+    """Pick the next token from one row of logits; return it with the log-prob SGLang reports.
+
+    `banned` tokens get no probability at all (SGLang's min_new_tokens penalizer masks the stop
+    tokens the same way, before the softmax).
+    """
+    logits = logits.float()
+    if banned:
+        logits = logits.clone()
+        logits[list(banned)] = float("-inf")
+    if params.greedy:
+        token = int(torch.argmax(logits))
+        return token, clamp_logprob(float(torch.log_softmax(logits, dim=-1)[token]))
+    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    weights = filter_probs(logprobs.exp(), params.top_k, params.top_p, params.min_p)
+    token = int(torch.multinomial(weights, 1, generator=generator))
+    return token, clamp_logprob(float(logprobs[token]))
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> list[float]:
+    """log_softmax(logits[i])[targets[i]] per row, in float32, a chunk of rows at a time.
+
+    Prompt scoring (`logprob_start_len`): the raw model distribution, no temperature, as SGLang's
+    logits processor computes input log-probs.
+    """
+    values: list[float] = []
+    for start in range(0, logits.shape[0], chunk):
+        rows = torch.log_softmax(logits[start : start + chunk].float(), dim=-1)
+        picked = rows.gather(1, targets[start : start + chunk].view(-1, 1)).view(-1)
+        values.extend(clamp_logprob(v) for v in picked.tolist())
+    return values
