@@ -11,9 +11,9 @@ import typer
 from bcstack import __version__
 from bcstack.modelkit.cli import app as model_app
 from bcstack.toyworld.cli import app as toyworld_app
+from services.engine import cli as engine_cli
 from services.retrieval import cli as retrieval_cli
 from services.retrieval.loadtest_cli import app as loadtest_app
-from services.engine import cli as engine_cli
 from services.worker import cli as worker_cli
 
 app = typer.Typer(
