@@ -72,9 +72,14 @@ class TurnRecord:
     gen_end: int
     weight_version: str
     finish_reason: str
-    engine_s: float = 0.0
-    tools_s: float = 0.0
-    total_s: float = 0.0
+    engine_s: float = 0.0  # waiting for /generate
+    retrieval_s: float = 0.0  # waiting for the retrieval service
+    total_s: float = 0.0  # the whole turn: generation, tools, observation, bookkeeping
+
+    @property
+    def overhead_s(self) -> float:
+        """The worker's own time in the turn: parsing, rendering, tokenizing, accounting."""
+        return max(0.0, self.total_s - self.engine_s - self.retrieval_s)
 
     @property
     def generated_tokens(self) -> int:
@@ -195,13 +200,9 @@ class EpisodeRunner:
                 break
             budget.add_generation(record.generated_tokens, grant)
             convo.append({"role": "assistant", "content": reply})
-            tools_start = time.perf_counter()
-            parts, finish, stop = await self._act(reply, len(traj.turns) - 1, traj, seen)
-            record.tools_s = time.perf_counter() - tools_start
-            record.total_s = time.perf_counter() - turn_start
-            if self.on_turn:
-                self.on_turn(record)
+            parts, finish, stop = await self._act(reply, record, traj, seen)
             if stop is not None:
+                self._turn_done(record, turn_start)
                 break
             # Upstream returns the resubmit message bare, without the reflection nudge.
             resubmit = parts == [p.EMPTY_FINISH_RESUBMIT]
@@ -216,11 +217,11 @@ class EpisodeRunner:
             ended = traj.token_ids[record.gen_end - 1] == self.eos_id if record.generated_tokens else False
             glue = self._glue(convo, observation, cut=not ended)
             stop = budget.add_observation(len(glue))
-            if stop is not None:
-                break
-            convo.append({"role": "user", "content": observation})
-            prompt_start = len(traj.token_ids)
-            traj.extend(glue, 0)
+            if stop is None:
+                convo.append({"role": "user", "content": observation})
+                prompt_start = len(traj.token_ids)
+                traj.extend(glue, 0)
+            self._turn_done(record, turn_start)
         traj.stop_reason = str(stop)
         gen = sum(t.generated_tokens for t in traj.turns)
         return EpisodeResult(
@@ -236,6 +237,11 @@ class EpisodeRunner:
             observation_tokens=len(traj.token_ids) - len(prompt_ids) - gen,
             seconds=time.perf_counter() - start,
         )
+
+    def _turn_done(self, record: TurnRecord, turn_start: float) -> None:
+        record.total_s = time.perf_counter() - turn_start
+        if self.on_turn:
+            self.on_turn(record)
 
     async def _generate(
         self, traj: Trajectory, grant: TurnGrant, sampling: Sampling, prompt_start: int
@@ -300,9 +306,10 @@ class EpisodeRunner:
         return verdict or None
 
     async def _act(
-        self, reply: str, turn: int, traj: Trajectory, seen: set[str]
+        self, reply: str, record: TurnRecord, traj: Trajectory, seen: set[str]
     ) -> tuple[list[str], p.FinishAction | None, StopReason | None]:
         """Run the turn's calls; (observation parts, the finish action if any, a stop reason)."""
+        turn = len(traj.turns) - 1
         calls = p.parse_calls(reply)
         if not calls:
             return [p.NO_CALL_ERROR], None, None
@@ -323,9 +330,11 @@ class EpisodeRunner:
                         return [p.EMPTY_FINISH_RESUBMIT], None, None
                     return parts, action, StopReason.FINISH
                 elif isinstance(action, p.SearchAction):
+                    t0 = time.perf_counter()
                     pages = await self.retrieval.search(
                         action.query, ps.search_k, snippet_words=ps.snippet_words
                     )
+                    record.retrieval_s += time.perf_counter() - t0
                     parts.append(
                         p.render_search_results(
                             action.query,
@@ -337,7 +346,9 @@ class EpisodeRunner:
                         )
                     )
                 elif isinstance(action, p.OpenPageAction):
+                    t0 = time.perf_counter()
                     pages = await self.retrieval.open(action.docid, action.url)
+                    record.retrieval_s += time.perf_counter() - t0
                     if pages:
                         parts.append(p.render_open_page(pages, page_words=ps.page_words))
                     else:

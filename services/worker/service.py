@@ -93,6 +93,12 @@ class WorkerMetrics:
             buckets=SECONDS_BUCKETS,
             registry=registry,
         )
+        self.turn_overhead = Histogram(
+            "bcstack_worker_turn_overhead_seconds",
+            "The worker's own time per turn: the turn minus engine and retrieval waits.",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0),
+            registry=registry,
+        )
         self.engine_seconds = Histogram(
             "bcstack_worker_engine_request_duration_seconds",
             "Time of one /generate call.",
@@ -122,6 +128,7 @@ class WorkerMetrics:
     def turn(self, record: TurnRecord) -> None:
         self.turn_tokens.observe(record.generated_tokens)
         self.engine_seconds.observe(record.engine_s)
+        self.turn_overhead.observe(record.overhead_s)
 
     def tool_call(self, record: ToolCallRecord) -> None:
         tool = record.name if record.name in p.WORKER_TOOLS else "unknown"
