@@ -62,7 +62,7 @@ def index(
         TextColumn("{task.fields[rate]:>8} docs/s"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as bar:
+    with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("index", total=None, rate="-")
 
         def progress(done: int, total: int | None) -> None:
