@@ -146,6 +146,27 @@ def test_expert_worker_answers_easy_questions_with_well_formed_trajectories(stac
         assert {c.name for c in t.tool_calls} <= {"search", "open_page", "finish"}
 
 
+def test_a_batch_of_episodes_streams_back_in_completion_order(stack):
+    easy = [q for q in stack["world"].test if q["data_source"] == "bc_test_easy"][:3]
+    batch = worker_pb2.RunWorkerEpisodesRequest(
+        episodes=[_branch(q["query"], episode_id=f"g0-{i}") for i, q in enumerate(easy)]
+    )
+    responses = list(stack["stub"].RunEpisodes(batch, timeout=120))
+    assert sorted(r.episode_id for r in responses) == ["g0-0", "g0-1", "g0-2"]
+    answers = {r.episode_id: r.report.answer for r in responses}
+    assert answers == {f"g0-{i}": q["answer"] for i, q in enumerate(easy)}
+    duplicate = worker_pb2.RunWorkerEpisodesRequest(
+        episodes=[_branch("a", episode_id="x"), _branch("b", episode_id="x")]
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack["stub"].RunEpisodes(duplicate, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    too_many = worker_pb2.RunWorkerEpisodesRequest(episodes=[_branch("q") for _ in range(65)])
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack["stub"].RunEpisodes(too_many, timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "do not fit" in err.value.details()
+
+
 def test_untrained_tiny_model_episodes_end_with_a_recorded_reason(stack, tmp_path):
     ports = stack["ports"]
     w_http, w_grpc = find_free_port(), find_free_port()

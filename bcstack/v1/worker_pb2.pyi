@@ -109,3 +109,9 @@ class RunWorkerEpisodeResponse(_message.Message):
     trajectory: Trajectory
     usage: _common_pb2.Usage
     def __init__(self, episode_id: _Optional[str] = ..., report: _Optional[_Union[_common_pb2.WorkerReport, _Mapping]] = ..., trajectory: _Optional[_Union[Trajectory, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class RunWorkerEpisodesRequest(_message.Message):
+    __slots__ = ("episodes",)
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    episodes: _containers.RepeatedCompositeFieldContainer[RunWorkerEpisodeRequest]
+    def __init__(self, episodes: _Optional[_Iterable[_Union[RunWorkerEpisodeRequest, _Mapping]]] = ...) -> None: ...

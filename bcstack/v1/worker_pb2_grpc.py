@@ -42,6 +42,11 @@ class WorkerServiceStub:
                 request_serializer=bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodeRequest.SerializeToString,
                 response_deserializer=bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodeResponse.FromString,
                 _registered_method=True)
+        self.RunEpisodes = channel.unary_stream(
+                '/bcstack.v1.WorkerService/RunEpisodes',
+                request_serializer=bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodesRequest.SerializeToString,
+                response_deserializer=bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodeResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -57,12 +62,26 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunEpisodes(self, request, context):
+        """Run several episodes concurrently (e.g. one GRPO group); each result is streamed as soon as
+        its episode ends, so the order is completion order (match them by episode_id). Admission is
+        all or nothing: a batch that does not fit the worker's free slots is RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RunEpisode': grpc.unary_unary_rpc_method_handler(
                     servicer.RunEpisode,
                     request_deserializer=bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodeRequest.FromString,
+                    response_serializer=bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodeResponse.SerializeToString,
+            ),
+            'RunEpisodes': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunEpisodes,
+                    request_deserializer=bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodesRequest.FromString,
                     response_serializer=bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodeResponse.SerializeToString,
             ),
     }
@@ -95,6 +114,33 @@ class WorkerService:
             target,
             '/bcstack.v1.WorkerService/RunEpisode',
             bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodeRequest.SerializeToString,
+            bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunEpisodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/bcstack.v1.WorkerService/RunEpisodes',
+            bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodesRequest.SerializeToString,
             bcstack_dot_v1_dot_worker__pb2.RunWorkerEpisodeResponse.FromString,
             options,
             channel_credentials,

@@ -9,8 +9,10 @@ RESOURCE_EXHAUSTED at once (backpressure: the caller tries another replica or la
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +150,15 @@ class InvalidTask(ValueError):
     pass
 
 
+@dataclass(frozen=True)
+class Prepared:
+    episode_id: str
+    description: str
+    messages: list[dict[str, str]]
+    limits: BudgetLimits
+    sampling: Sampling
+
+
 class WorkerCore:
     """Validation, admission and bookkeeping around the episode runner (transport-free)."""
 
@@ -214,28 +225,50 @@ class WorkerCore:
             raise InvalidTask("sampling: temperature >= 0, 0 < top_p <= 1, top_k >= 1")
         return sampling
 
-    async def run(self, request: worker_pb2.RunWorkerEpisodeRequest) -> EpisodeResult:
+    def prepare(self, request: worker_pb2.RunWorkerEpisodeRequest) -> Prepared:
+        """Validate a request into what the runner needs; InvalidTask says what is wrong."""
         try:
-            messages = self.messages_of(request)
-            limits = self.limits_of(request)
-            sampling = self.sampling_of(request)
+            return Prepared(
+                episode_id=request.episode_id or uuid.uuid4().hex,
+                description=request.branch.description if request.WhichOneof("task") == "branch" else "task",
+                messages=self.messages_of(request),
+                limits=self.limits_of(request),
+                sampling=self.sampling_of(request),
+            )
         except InvalidTask:
             self.metrics.rejected.labels("invalid").inc()
             raise
-        if self.active >= self.settings.max_concurrent_episodes:
+
+    def reserve(self, n: int) -> None:
+        """Take ``n`` episode slots or refuse at once (backpressure, no queue)."""
+        if self.active + n > self.settings.max_concurrent_episodes:
             self.metrics.rejected.labels("full").inc()
-            raise OverCapacity(f"worker is running {self.active} episodes, its limit")
-        self.active += 1
+            raise OverCapacity(
+                f"worker is running {self.active} of {self.settings.max_concurrent_episodes} episodes; "
+                f"{n} more do not fit"
+            )
+        self.active += n
         self.metrics.active.set(self.active)
+
+    async def execute(self, prepared: Prepared) -> EpisodeResult:
+        """Run a reserved episode and free its slot."""
         try:
             result = await self.runner.run(
-                messages, episode_id=request.episode_id or uuid.uuid4().hex, limits=limits, sampling=sampling
+                prepared.messages,
+                episode_id=prepared.episode_id,
+                limits=prepared.limits,
+                sampling=prepared.sampling,
             )
         finally:
             self.active -= 1
             self.metrics.active.set(self.active)
         self.metrics.episode(result)
         return result
+
+    async def run(self, request: worker_pb2.RunWorkerEpisodeRequest) -> tuple[Prepared, EpisodeResult]:
+        prepared = self.prepare(request)
+        self.reserve(1)
+        return prepared, await self.execute(prepared)
 
 
 class OverCapacity(RuntimeError):
@@ -300,13 +333,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def RunEpisode(self, request, context):  # noqa: N802 - gRPC method name
         try:
-            result = await self.core.run(request)
+            prepared, result = await self.core.run(request)
         except InvalidTask as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except OverCapacity as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        description = request.branch.description if request.WhichOneof("task") == "branch" else "task"
-        return response_of(result, description)
+        return response_of(result, prepared.description)
+
+    async def RunEpisodes(self, request, context):  # noqa: N802
+        if not request.episodes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no episodes")
+        prepared = []
+        for i, episode in enumerate(request.episodes):
+            try:
+                prepared.append(self.core.prepare(episode))
+            except InvalidTask as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"episode {i}: {e}")
+        ids = [p_.episode_id for p_ in prepared]
+        if len(set(ids)) != len(ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "episode_id values must be distinct")
+        try:
+            self.core.reserve(len(prepared))
+        except OverCapacity as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        tasks = {asyncio.ensure_future(self.core.execute(p_)): p_ for p_ in prepared}
+        try:
+            for done in asyncio.as_completed(tasks):
+                result = await done
+                yield response_of(
+                    result, next(p_ for p_ in prepared if p_.episode_id == result.episode_id).description
+                )
+        finally:
+            for task in tasks:  # the caller went away: stop the episodes still running
+                task.cancel()
 
 
 def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
