@@ -11,6 +11,12 @@ kubernetes_validate ships, in strict mode, so a misspelt or misplaced field fail
     assert find(manifests, "Deployment", "bc-bcstack-worker")["spec"]["replicas"] == 2
     lint_chart({"worker": {"enabled": True}})
 
+Beside those, it holds the lookups and checks the per-component chart tests share: reading rendered
+objects (`kinds`, `pod_spec`, `pod_specs`, `all_containers`, `env_of`, `mounted_volume`,
+`selects`, `service_monitor`, `secret_key_refs`), the chart's values (`chart_defaults`,
+`effective_values`, `default_paths`, `null_default_outcomes`), and checks every component makes
+(`assert_component_renders_clean`, `assert_values_rejected`, `assert_pod_disruption_budget`).
+
 Two behaviours of the SDK that the helpers account for:
 - `Chart.render` is Helm's template engine alone (like `helm template`): it validates the values
   against values.schema.json and runs the templates, but it does not check Chart.yaml's
@@ -22,15 +28,17 @@ Two behaviours of the SDK that the helpers account for:
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
 import kubernetes_validate
+import pytest
 import yaml
 
 CHART_DIR = Path(__file__).resolve().parents[1] / "charts" / "bcstack"
@@ -202,3 +210,172 @@ def find(manifests: Iterable[Mapping[str, Any]], kind: str, name: str | None = N
     if len(matches) != 1:
         raise AssertionError(f"expected one {kind} {name or ''}, found {len(matches)}")
     return matches[0]
+
+
+# --- reading rendered objects ---------------------------------------------------------------
+
+# The workload kinds whose pod template sits at spec.template.spec.
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "Job"}
+
+
+def kinds(manifests: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(kind, name) of every rendered object, sorted."""
+    return sorted((m["kind"], m["metadata"]["name"]) for m in manifests)
+
+
+def pod_spec(manifests: Iterable[Mapping[str, Any]], name: str, kind: str = "Deployment") -> dict[str, Any]:
+    """The pod spec of the one workload `kind`/`name`."""
+    return find(manifests, kind, name)["spec"]["template"]["spec"]
+
+
+def pod_specs(manifests: Iterable[Mapping[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """("kind/name", pod spec) of every workload (WORKLOAD_KINDS), in render order."""
+    return [
+        (f"{m['kind']}/{m['metadata']['name']}", m["spec"]["template"]["spec"])
+        for m in manifests
+        if m["kind"] in WORKLOAD_KINDS
+    ]
+
+
+def all_containers(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The init containers (native sidecars among them), then the containers."""
+    return pod.get("initContainers", []) + pod["containers"]
+
+
+def env_of(container: Mapping[str, Any]) -> dict[str, Any]:
+    """A container's env: name -> literal value, or the valueFrom mapping."""
+    return {e["name"]: e["value"] if "value" in e else e["valueFrom"] for e in container.get("env", [])}
+
+
+def mounted_volume(
+    pod: Mapping[str, Any], container: Mapping[str, Any], path: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the container's one mount at `path`, the pod volume it names)."""
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return mount, volume
+
+
+def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    """Whether a (non-empty) label selector matches `labels`."""
+    return bool(selector) and labels.items() >= selector.items()
+
+
+def service_monitor(
+    manifests: Iterable[Mapping[str, Any]], workload: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the ServiceMonitor `workload`, the Service `workload`); fails unless the monitor selects
+    that Service."""
+    monitor = find(manifests, "ServiceMonitor", workload)
+    service = find(manifests, "Service", workload)
+    selector, labels = monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"]
+    assert selects(selector, labels), f"ServiceMonitor {workload} selects {selector}, Service has {labels}"
+    return monitor, service
+
+
+def secret_key_refs(manifests: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, str]]:
+    """(env name, secret, key) of every secretKeyRef in every container of every workload."""
+    refs = set()
+    for _, pod in pod_specs(manifests):
+        for container in all_containers(pod):
+            for name, value in env_of(container).items():
+                if isinstance(value, dict) and "secretKeyRef" in value:
+                    refs.add((name, value["secretKeyRef"]["name"], value["secretKeyRef"]["key"]))
+    return refs
+
+
+# --- the chart's values -----------------------------------------------------------------------
+
+
+def chart_defaults(component: str) -> dict[str, Any]:
+    """values.yaml's block for `component`, as the chart ships it."""
+    with helm.Chart.load(CHART_DIR) as chart:
+        return chart.values[component]
+
+
+def effective_values(component: str, values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`.Values.<component>` as the templates see it: values.yaml merged with `values` by Helm."""
+    template = f"zz-{component}-values.yaml"
+    dump = f"{{{{ toJson .Values.{component} }}}}"
+    rendered = render_templates(values, extra_templates={template: dump})
+    return json.loads(next(text for path, text in rendered.items() if path.endswith(template)))
+
+
+def default_paths(block: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted path of every key a values block sets to something other than null."""
+    paths = []
+    for key, value in block.items():
+        if value is None:
+            continue
+        paths.append(prefix + key)
+        if isinstance(value, dict):
+            paths += default_paths(value, f"{prefix}{key}.")
+    return paths
+
+
+def null_default_outcomes(
+    paths: Iterable[str], values_for: Callable[[dict[str, Any]], Mapping[str, Any]]
+) -> tuple[list[str], list[str]]:
+    """Render the chart with each dotted path in turn set to null; (accepted, rejected) paths.
+
+    `values_for` turns the nulled block ({"a": {"b": None}}) into chart values. A rejection must
+    be the schema's "missing property", not any other failure.
+    """
+    accepted, rejected = [], []
+    for path in paths:
+        *parents, leaf = path.split(".")
+        block: dict[str, Any] = {}
+        node = block
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = None
+        try:
+            render_chart(values_for(block))
+        except helm.HelmValuesError as err:
+            assert "missing property" in str(err), (path, str(err))
+            rejected.append(path)
+        else:
+            accepted.append(path)
+    return accepted, rejected
+
+
+# --- checks every component makes ---------------------------------------------------------------
+
+
+def assert_component_renders_clean(values: Mapping[str, Any], workload: str) -> None:
+    """`values` render objects Kubernetes accepts, all in the release namespace and part of
+    bcstack, lint without errors, and include the Deployment and Service `workload`."""
+    manifests = render_chart(values)
+    validate_manifests(manifests)
+    for obj in manifests:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        assert obj["metadata"]["namespace"] == "default", (where, obj["metadata"]["namespace"])
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "bcstack", where
+    messages = lint_chart(values)
+    errors = [m for m in messages if m["severity"] >= SEVERITY_ERROR]
+    assert not errors, errors
+    assert find(manifests, "Deployment", workload)
+    assert find(manifests, "Service", workload)
+
+
+def assert_values_rejected(values: Mapping[str, Any], message: str) -> None:
+    """values.schema.json rejects `values`, saying `message`, both when rendering and linting."""
+    with pytest.raises(helm.HelmValuesError, match="values don't meet the specifications") as err:
+        render_chart(values)
+    assert message in str(err.value), (message, str(err.value))
+    with pytest.raises(ChartLintError, match="values.yaml"):
+        lint_chart(values)
+
+
+def assert_pod_disruption_budget(
+    manifests: list[dict[str, Any]], workload: str, field: str, value: Any
+) -> None:
+    """The manifests are valid and hold a PDB `workload` that sets only `field` (to `value`) and
+    selects the pods of the Deployment `workload`."""
+    validate_manifests(manifests)
+    pdb = find(manifests, "PodDisruptionBudget", workload)
+    assert pdb["spec"][field] == value, pdb["spec"]
+    assert len({"minAvailable", "maxUnavailable"} & pdb["spec"].keys()) == 1, pdb["spec"]
+    pod_labels = find(manifests, "Deployment", workload)["spec"]["template"]["metadata"]["labels"]
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    assert selects(selector, pod_labels), f"PDB {workload} selects {selector}, its pods have {pod_labels}"

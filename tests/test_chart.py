@@ -11,9 +11,10 @@ import pytest
 import yaml
 from helm_harness import (
     CHART_DIR,
-    ChartLintError,
     ManifestInvalidError,
+    assert_values_rejected,
     find,
+    kinds,
     lint_chart,
     render_chart,
     render_notes,
@@ -111,7 +112,7 @@ def test_renders_valid_labelled_objects_and_lints_clean(values: dict[str, Any]) 
 
 def test_defaults_create_service_account_and_common_config_only() -> None:
     manifests = render_chart()
-    assert sorted((m["kind"], m["metadata"]["name"]) for m in manifests) == [
+    assert kinds(manifests) == [
         ("ConfigMap", "bc-bcstack-common"),
         ("ServiceAccount", "bc-bcstack"),
     ]
@@ -237,11 +238,7 @@ def test_fullname(values: dict[str, Any], release: str, expected: str) -> None:
     ],
 )
 def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None:
-    with pytest.raises(helm.HelmValuesError, match="values don't meet the specifications") as err:
-        render_chart(values)
-    assert message in str(err.value)
-    with pytest.raises(ChartLintError, match="values.yaml"):
-        lint_chart(values)
+    assert_values_rejected(values, message)
 
 
 def test_schema_rejects_a_bad_values_file(tmp_path: Path) -> None:

@@ -10,26 +10,37 @@ import re
 from pathlib import Path
 from typing import Any
 
-import dockerfile
 import helm_python as helm
 import pytest
 from helm_harness import (
     CHART_DIR,
-    ChartLintError,
+    all_containers,
+    assert_component_renders_clean,
+    assert_pod_disruption_budget,
+    assert_values_rejected,
+    chart_defaults,
+    default_paths,
+    effective_values,
+    env_of,
     find,
-    lint_chart,
+    kinds,
+    mounted_volume,
+    null_default_outcomes,
+    pod_spec,
+    pod_specs,
     render_chart,
     render_notes,
-    render_templates,
+    secret_key_refs,
+    selects,
+    service_monitor,
     validate_manifests,
 )
-from test_dockerfiles import check_dockerfile
+from test_dockerfiles import assert_service_image
 
 DEPLOYMENT = "bc-bcstack-retrieval"
 ES = "bc-bcstack-elasticsearch"
 QDRANT = "bc-bcstack-qdrant"
 SECRET_ENV = re.compile(r"PASSWORD|API_KEY|TOKEN|SECRET", re.IGNORECASE)
-POD_KINDS = {"Deployment", "StatefulSet", "Job"}
 RETRIEVAL_SELECTOR = {
     "app.kubernetes.io/name": "bcstack",
     "app.kubernetes.io/instance": "bc",
@@ -91,36 +102,14 @@ COMBOS: dict[str, dict[str, Any]] = {
 # --- helpers ------------------------------------------------------------------------------
 
 
-def pod_templates(manifests: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """(kind/name, pod spec) of every workload."""
-    return [
-        (f"{m['kind']}/{m['metadata']['name']}", m["spec"]["template"]["spec"])
-        for m in manifests
-        if m["kind"] in POD_KINDS
-    ]
-
-
-def containers(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
-    return pod_spec.get("initContainers", []) + pod_spec["containers"]
-
-
-def env_of(container: dict[str, Any]) -> dict[str, Any]:
-    """name -> literal value, or the valueFrom mapping."""
-    return {e["name"]: e["value"] if "value" in e else e["valueFrom"] for e in container.get("env", [])}
-
-
 def retrieval_container(manifests: list[dict[str, Any]], name: str = DEPLOYMENT) -> dict[str, Any]:
-    pod = find(manifests, "Deployment", name)["spec"]["template"]["spec"]
+    pod = pod_spec(manifests, name)
     (container,) = [c for c in pod["containers"] if c["name"] == "retrieval"]
     return container
 
 
 def retrieval_env(manifests: list[dict[str, Any]], name: str = DEPLOYMENT) -> dict[str, Any]:
     return env_of(retrieval_container(manifests, name))
-
-
-def kinds(manifests: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    return sorted((m["kind"], m["metadata"]["name"]) for m in manifests)
 
 
 def service_behind(manifests: list[dict[str, Any]], url: str) -> tuple[dict[str, Any], int]:
@@ -130,35 +119,12 @@ def service_behind(manifests: list[dict[str, Any]], url: str) -> tuple[dict[str,
     return find(manifests, "Service", match.group(1)), int(match.group(2))
 
 
-def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return bool(selector) and labels.items() >= selector.items()
-
-
-def secret_key_refs(manifests: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    """(env name, secret, key) of every secretKeyRef in every container."""
-    refs = set()
-    for _, pod in pod_templates(manifests):
-        for container in containers(pod):
-            for name, value in env_of(container).items():
-                if isinstance(value, dict) and "secretKeyRef" in value:
-                    refs.add((name, value["secretKeyRef"]["name"], value["secretKeyRef"]["key"]))
-    return refs
-
-
 # --- every combination renders, validates and lints --------------------------------------
 
 
 @pytest.mark.parametrize("values", COMBOS.values(), ids=COMBOS.keys())
 def test_combination_renders_valid_objects_and_lints_clean(values: dict[str, Any]) -> None:
-    manifests = render_chart(values)
-    validate_manifests(manifests)
-    for obj in manifests:
-        assert obj["metadata"]["namespace"] == "default"
-        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "bcstack"
-    messages = lint_chart(values)
-    assert not [m for m in messages if m["severity"] >= 3]
-    assert find(manifests, "Deployment", DEPLOYMENT)
-    assert find(manifests, "Service", DEPLOYMENT)
+    assert_component_renders_clean(values, DEPLOYMENT)
 
 
 def test_disabled_retrieval_renders_nothing_even_with_backends_configured() -> None:
@@ -265,7 +231,7 @@ def test_no_service_links_for_a_release_named_bcstack() -> None:
     manifests = render_chart(COMBOS["all-optional-on"], release="bcstack")
     validate_manifests(manifests)
     assert find(manifests, "Service", "bcstack-retrieval")
-    for where, pod in pod_templates(manifests):
+    for where, pod in pod_specs(manifests):
         assert pod["enableServiceLinks"] is False, where
 
 
@@ -306,8 +272,8 @@ def test_admin_token_comes_from_its_secret() -> None:
 @pytest.mark.parametrize("values", COMBOS.values(), ids=COMBOS.keys())
 def test_secrets_only_by_secret_key_ref(values: dict[str, Any]) -> None:
     manifests = render_chart(values)
-    for where, pod in pod_templates(manifests):
-        for container in containers(pod):
+    for where, pod in pod_specs(manifests):
+        for container in all_containers(pod):
             for entry in container.get("env", []):
                 if SECRET_ENV.search(entry["name"]):
                     assert "value" not in entry, (where, entry["name"])
@@ -337,27 +303,27 @@ def test_external_credentials_are_secret_references_and_nothing_is_created() -> 
 @pytest.mark.parametrize("values", COMBOS.values(), ids=COMBOS.keys())
 def test_every_pod_runs_as_non_root(values: dict[str, Any]) -> None:
     manifests = render_chart(values)
-    assert pod_templates(manifests)
-    for where, pod in pod_templates(manifests):
+    assert pod_specs(manifests)
+    for where, pod in pod_specs(manifests):
         context = pod["securityContext"]
         assert context["runAsNonRoot"] is True, where
         assert context["runAsUser"] > 0, where
         assert context["seccompProfile"] == {"type": "RuntimeDefault"}, where
-        for container in containers(pod):
+        for container in all_containers(pod):
             security = container["securityContext"]
             assert security["allowPrivilegeEscalation"] is False, (where, container["name"])
             assert security["capabilities"]["drop"] == ["ALL"], (where, container["name"])
             assert security.get("privileged") is not True
     container = retrieval_container(manifests)
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    deployment_pod = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["spec"]
+    deployment_pod = pod_spec(manifests, DEPLOYMENT)
     assert deployment_pod["securityContext"]["runAsUser"] == 10001
     assert deployment_pod["automountServiceAccountToken"] is False
 
 
 def test_writable_tmp_and_home_on_a_read_only_root() -> None:
     manifests = render_chart(retrieval())
-    pod = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["spec"]
+    pod = pod_spec(manifests, DEPLOYMENT)
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in retrieval_container(manifests)["volumeMounts"]}
     assert volumes[mounts["/tmp"]] == {"name": "tmp", "emptyDir": {}}
@@ -368,7 +334,7 @@ def test_component_security_context_overrides_merge_over_the_stack_wide_ones() -
     manifests = render_chart(
         retrieval(podSecurityContext={"runAsUser": 20002}, securityContext={"readOnlyRootFilesystem": False})
     )
-    pod = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["spec"]
+    pod = pod_spec(manifests, DEPLOYMENT)
     assert pod["securityContext"]["runAsUser"] == 20002
     assert pod["securityContext"]["runAsNonRoot"] is True  # kept from podSecurityContext
     security = retrieval_container(manifests)["securityContext"]
@@ -385,17 +351,15 @@ def test_index_on_a_persistent_volume_claim() -> None:
     assert claim["spec"]["resources"]["requests"]["storage"] == "80Gi"
     assert claim["spec"]["storageClassName"] == "fast-ssd"
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
-    pod = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    (mount,) = [m for m in retrieval_container(manifests)["volumeMounts"] if m["mountPath"] == "/data/index"]
-    assert volumes[mount["name"]]["persistentVolumeClaim"] == {"claimName": "bc-bcstack-retrieval-index"}
+    _, volume = mounted_volume(pod_spec(manifests, DEPLOYMENT), retrieval_container(manifests), "/data/index")
+    assert volume["persistentVolumeClaim"] == {"claimName": "bc-bcstack-retrieval-index"}
     assert "storageClassName" not in find(render_chart(retrieval()), "PersistentVolumeClaim")["spec"]
 
 
 def test_existing_claim_is_mounted_not_created() -> None:
     manifests = render_chart(retrieval(index={"persistence": {"existingClaim": "bcp-index"}}))
     assert not [m for m in manifests if m["kind"] == "PersistentVolumeClaim"]
-    pod = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["spec"]
+    pod = pod_spec(manifests, DEPLOYMENT)
     assert {"name": "index", "persistentVolumeClaim": {"claimName": "bcp-index"}} in pod["volumes"]
 
 
@@ -403,7 +367,7 @@ def test_persistence_off_is_honoured_and_index_dir_moves_everything() -> None:
     # `enabled: false` over a `true` default: the coalescing must not drop a false.
     manifests = render_chart(retrieval(index={"dir": "/index", "persistence": {"enabled": False}}))
     assert not [m for m in manifests if m["kind"] == "PersistentVolumeClaim"]
-    pod = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["spec"]
+    pod = pod_spec(manifests, DEPLOYMENT)
     assert {"name": "index", "emptyDir": {}} in pod["volumes"]
     container = retrieval_container(manifests)
     assert {"name": "index", "mountPath": "/index"} in container["volumeMounts"]
@@ -480,12 +444,7 @@ def test_hpa_needs_a_cpu_request_and_a_sane_range() -> None:
 def test_pod_disruption_budget_is_optional(budget: dict[str, Any], field: str, value: Any) -> None:
     assert not [m for m in render_chart(retrieval()) if m["kind"] == "PodDisruptionBudget"]
     manifests = render_chart(retrieval(podDisruptionBudget={"enabled": True, **budget}))
-    validate_manifests(manifests)
-    pdb = find(manifests, "PodDisruptionBudget", DEPLOYMENT)
-    assert pdb["spec"][field] == value
-    assert len({"minAvailable", "maxUnavailable"} & pdb["spec"].keys()) == 1
-    pod_labels = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["metadata"]["labels"]
-    assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
+    assert_pod_disruption_budget(manifests, DEPLOYMENT, field, value)
 
 
 def test_pod_disruption_budget_rejects_both_bounds() -> None:
@@ -496,11 +455,9 @@ def test_pod_disruption_budget_rejects_both_bounds() -> None:
 def test_service_monitor_scrapes_the_retrieval_service() -> None:
     values = {**retrieval(), "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}}
     manifests = render_chart(values)
-    monitor = find(manifests, "ServiceMonitor", DEPLOYMENT)
+    monitor, _ = service_monitor(manifests, DEPLOYMENT)
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
-    service = find(manifests, "Service", DEPLOYMENT)
-    assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
     assert not [m for m in render_chart(retrieval()) if m["kind"] == "ServiceMonitor"]
 
 
@@ -641,11 +598,9 @@ def test_external_urls_and_settings_reach_the_env() -> None:
     assert env["BCSTACK_RETRIEVAL_QDRANT_COLLECTION"] == "bcp-vectors"
     # The CA bundle is mounted from its Secret where CA_CERTS says.
     ca_path = Path(env["BCSTACK_RETRIEVAL_ELASTICSEARCH_CA_CERTS"])
-    pod = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["spec"]
-    (mount,) = [
-        m for m in retrieval_container(manifests)["volumeMounts"] if m["mountPath"] == str(ca_path.parent)
-    ]
-    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    _, volume = mounted_volume(
+        pod_spec(manifests, DEPLOYMENT), retrieval_container(manifests), str(ca_path.parent)
+    )
     assert volume["secret"]["secretName"] == "es-ca"
     assert volume["secret"]["items"] == [{"key": "root.pem", "path": ca_path.name}]
 
@@ -802,49 +757,31 @@ def test_ingest_job_runs_beside_a_read_write_once_index(access_mode: str, coloca
     ],
 )
 def test_schema_rejects_bad_retrieval_values(block: dict[str, Any], message: str) -> None:
-    values = retrieval(**block)
-    with pytest.raises(helm.HelmValuesError, match="values don't meet the specifications") as err:
-        render_chart(values)
-    assert message in str(err.value)
-    with pytest.raises(ChartLintError, match="values.yaml"):
-        lint_chart(values)
-
-
-def _retrieval_defaults() -> dict[str, Any]:
-    with helm.Chart.load(CHART_DIR) as chart:
-        return chart.values["retrieval"]
-
-
-def _effective_retrieval_values(values: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`.Values.retrieval` as the templates see it: values.yaml merged with `values` by Helm."""
-    dump = "{{ toJson .Values.retrieval }}"
-    rendered = render_templates(values, extra_templates={"zz-retrieval-values.yaml": dump})
-    return json.loads(
-        next(text for path, text in rendered.items() if path.endswith("zz-retrieval-values.yaml"))
-    )
+    assert_values_rejected(retrieval(**block), message)
 
 
 def test_values_yaml_holds_the_retrieval_defaults() -> None:
-    defaults = _retrieval_defaults()
+    defaults = chart_defaults("retrieval")
     assert defaults["enabled"] is False
     assert defaults["elasticsearch"]["mode"] == defaults["qdrant"]["mode"] == "embedded"
     assert defaults["index"]["persistence"]["enabled"] is True
     assert defaults["ingest"]["enabled"] is False
     # Helm drops null defaults from the merged values: the templates treat absent as null.
-    effective = _effective_retrieval_values()
+    effective = effective_values("retrieval")
     assert defaults["podDisruptionBudget"]["minAvailable"] is None
     assert "minAvailable" not in effective["podDisruptionBudget"]
     assert effective["settings"]["rrfK"] == 60
 
 
 def test_user_values_merge_over_the_defaults_like_helm() -> None:
-    effective = _effective_retrieval_values(
+    effective = effective_values(
+        "retrieval",
         retrieval(
             autoscaling={"maxReplicas": 9},
             settings={"rrfK": None, "logLevel": "ERROR"},
             elasticsearch={"external": {"passwordKey": ""}},
             index={"persistence": {"enabled": False, "accessModes": ["ReadWriteMany"]}},
-        )
+        ),
     )
     assert effective["enabled"] is True
     assert effective["autoscaling"] == {
@@ -879,36 +816,13 @@ NULLABLE_RETRIEVAL_KEYS = {
 }
 
 
-def _default_paths(block: dict[str, Any], prefix: str = "") -> list[str]:
-    paths = []
-    for key, value in block.items():
-        if value is None:
-            continue
-        paths.append(prefix + key)
-        if isinstance(value, dict):
-            paths += _default_paths(value, f"{prefix}{key}.")
-    return paths
-
-
 def test_null_cannot_remove_a_required_retrieval_default() -> None:
     """Helm's merge turns `key: null` into "remove the key", default included, before the schema
     sees the values; the schema requires every key values.yaml sets (bar the nullable ones), so
     such a null fails validation instead of reaching the templates as a missing key."""
-    accepted, rejected = [], []
-    for path in _default_paths(_retrieval_defaults()):
-        *parents, leaf = path.split(".")
-        block: dict[str, Any] = {}
-        node = block
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = None
-        try:
-            render_chart(retrieval(**block))
-        except helm.HelmValuesError as err:
-            assert "missing property" in str(err), (path, str(err))
-            rejected.append(path)
-        else:
-            accepted.append(path)
+    accepted, rejected = null_default_outcomes(
+        default_paths(chart_defaults("retrieval")), lambda block: retrieval(**block)
+    )
     assert set(accepted) == NULLABLE_RETRIEVAL_KEYS
     assert {"replicas", "elasticsearch.internal.podSecurityContext.runAsNonRoot"} <= set(rejected)
     assert "elasticsearch.internal.securityContext.capabilities.drop" in rejected
@@ -953,23 +867,8 @@ RETRIEVAL_DOCKERFILE = Path(__file__).resolve().parents[1] / "docker" / "retriev
 
 
 def test_retrieval_dockerfile_runs_the_service_as_non_root() -> None:
-    assert check_dockerfile(RETRIEVAL_DOCKERFILE) == []
-    commands = dockerfile.parse_file(str(RETRIEVAL_DOCKERFILE))
-    by_cmd: dict[str, list[Any]] = {}
-    for command in commands:
-        by_cmd.setdefault(command.cmd.upper(), []).append(command)
-    args = dict(a.value[0].partition("=")[::2] for a in by_cmd["ARG"])
-    (base,) = by_cmd["FROM"]
-    assert base.value[0] == "${BCSTACK_IMAGE}"
-    assert re.fullmatch(r"ghcr\.io/browsecomp-stack/bcstack:\d+\.\d+\.\d+", args["BCSTACK_IMAGE"])
-    assert by_cmd["USER"][-1].value[0] == "10001:10001"
-    assert sorted(by_cmd["EXPOSE"][0].value) == ["50051", "8001"]
-    (entrypoint,) = by_cmd["ENTRYPOINT"]
-    assert entrypoint.json and entrypoint.value == ("bcstack", "serve", "retrieval")
+    by_cmd = assert_service_image(RETRIEVAL_DOCKERFILE, "retrieval", http_port=8001, grpc_port=50051)
     cmd = list(by_cmd["CMD"][0].value)
     assert cmd[cmd.index("--port") + 1] == "8001" and cmd[cmd.index("--grpc-port") + 1] == "50051"
     assert cmd[cmd.index("--index-dir") + 1] == "/data/index"
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
-    (health,) = by_cmd["HEALTHCHECK"]
-    assert "http://127.0.0.1:8001/health" in " ".join(health.value)
-    assert "curl" not in " ".join(health.value)

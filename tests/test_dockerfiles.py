@@ -4,6 +4,10 @@ Rules: bases pinned (a version tag that is not `latest`, or a digest); the final
 non-root USER; a HEALTHCHECK, or a `# probe:` comment saying which Kubernetes probe checks the
 service; no ADD of remote URLs (unverified downloads); no secret-looking ENV or ARG with a
 literal value (it would be baked into the image and its history).
+
+`check_dockerfile` applies the rules; `commands_by_instruction` and `build_args` read a file for
+the per-image tests, and `assert_service_image` holds what every bcstack service image
+(docker/retrieval.Dockerfile, docker/worker.Dockerfile) shares.
 """
 
 from __future__ import annotations
@@ -108,6 +112,42 @@ def check_dockerfile(path: Path) -> list[str]:
     return problems
 
 
+def commands_by_instruction(path: Path) -> dict[str, list[dockerfile.Command]]:
+    """`path`'s instructions by (upper-case) instruction name, each list in file order."""
+    by_cmd: dict[str, list[dockerfile.Command]] = {}
+    for command in dockerfile.parse_file(str(path)):
+        by_cmd.setdefault(command.cmd.upper(), []).append(command)
+    return by_cmd
+
+
+def build_args(by_cmd: dict[str, list[dockerfile.Command]]) -> dict[str, str]:
+    """ARG name -> its default ("" when it has none), from `commands_by_instruction`."""
+    return dict(a.value[0].partition("=")[::2] for a in by_cmd["ARG"])
+
+
+def assert_service_image(
+    path: Path, service: str, http_port: int, grpc_port: int
+) -> dict[str, list[dockerfile.Command]]:
+    """`path` keeps the image rules and is a bcstack service image: one stage FROM the pinned
+    common image (the BCSTACK_IMAGE arg), run as 10001:10001, exposing both ports, with the
+    exec-form ENTRYPOINT `bcstack serve <service>` and a HEALTHCHECK of /health on the HTTP port
+    that needs no curl. Returns `commands_by_instruction(path)` for the service's own checks."""
+    assert check_dockerfile(path) == []
+    by_cmd = commands_by_instruction(path)
+    args = build_args(by_cmd)
+    (base,) = by_cmd["FROM"]
+    assert base.value[0] == "${BCSTACK_IMAGE}"
+    assert re.fullmatch(r"ghcr\.io/browsecomp-stack/bcstack:\d+\.\d+\.\d+", args["BCSTACK_IMAGE"])
+    assert by_cmd["USER"][-1].value[0] == "10001:10001"
+    assert sorted(by_cmd["EXPOSE"][0].value) == sorted([str(http_port), str(grpc_port)])
+    (entrypoint,) = by_cmd["ENTRYPOINT"]
+    assert entrypoint.json and entrypoint.value == ("bcstack", "serve", service)
+    (health,) = by_cmd["HEALTHCHECK"]
+    assert f"http://127.0.0.1:{http_port}/health" in " ".join(health.value)
+    assert "curl" not in " ".join(health.value)
+    return by_cmd
+
+
 def test_docker_dir_has_the_common_image() -> None:
     assert DOCKER_DIR / "bcstack.Dockerfile" in DOCKERFILES
 
@@ -118,12 +158,8 @@ def test_dockerfile_keeps_the_image_rules(path: Path) -> None:
 
 
 def test_common_image() -> None:
-    path = DOCKER_DIR / "bcstack.Dockerfile"
-    commands = dockerfile.parse_file(str(path))
-    by_cmd: dict[str, list[dockerfile.Command]] = {}
-    for command in commands:
-        by_cmd.setdefault(command.cmd.upper(), []).append(command)
-    args = dict(a.value[0].partition("=")[::2] for a in by_cmd["ARG"])
+    by_cmd = commands_by_instruction(DOCKER_DIR / "bcstack.Dockerfile")
+    args = build_args(by_cmd)
     assert args["PYTHON_IMAGE"] == "python:3.11.7-slim-bookworm"
     froms = by_cmd["FROM"]
     assert len(froms) >= 2, "multi-stage: a build stage and a runtime stage"

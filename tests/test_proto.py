@@ -28,7 +28,10 @@ SERVICES = {
         "BatchSearch": ("BatchSearchRequest", "BatchSearchResponse"),
         "Open": ("OpenRequest", "OpenResponse"),
     },
-    (worker_pb2, "WorkerService"): {"RunEpisode": ("RunWorkerEpisodeRequest", "RunWorkerEpisodeResponse")},
+    (worker_pb2, "WorkerService"): {
+        "RunEpisode": ("RunWorkerEpisodeRequest", "RunWorkerEpisodeResponse"),
+        "RunEpisodes": ("RunWorkerEpisodesRequest", "RunWorkerEpisodeResponse"),
+    },
     (judge_pb2, "JudgeService"): {
         "GradeAnswer": ("GradeAnswerRequest", "GradeAnswerResponse"),
         "GradeContribution": ("GradeContributionRequest", "GradeContributionResponse"),
@@ -78,6 +81,10 @@ def test_generated_imports_are_absolute() -> None:
     assert "from bcstack.v1 import common_pb2" in (REPO / "bcstack" / "v1" / "worker_pb2.py").read_text()
 
 
+# Methods that stream their responses back (the rest are unary).
+STREAMING = {"RunEpisodes"}
+
+
 @pytest.mark.parametrize(
     ("key", "methods"), SERVICES.items(), ids=lambda v: v[1] if isinstance(v, tuple) else ""
 )
@@ -89,7 +96,8 @@ def test_services_and_methods_exist(key: tuple, methods: dict[str, tuple[str, st
     for name, (request, response) in methods.items():
         method = service.methods_by_name[name]
         assert (method.input_type.name, method.output_type.name) == (request, response)
-        assert not method.client_streaming and not method.server_streaming
+        assert not method.client_streaming
+        assert method.server_streaming == (name in STREAMING)
     grpc_module = {
         "RetrievalService": retrieval_pb2_grpc,
         "WorkerService": worker_pb2_grpc,
