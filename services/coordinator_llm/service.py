@@ -1,0 +1,254 @@
+"""`bcstack serve coordinator-llm`: an OpenAI-compatible chat completions server whose "model" is
+a coordinator policy (the toy world's scripted coordinator), answering in the coordinator
+protocol. The embedded default for, and the test double of, the production coordinator LLM
+(MiniMax-M2.7 behind an OpenAI-compatible endpoint).
+
+    POST /v1/chat/completions   OpenAI request -> chat.completion, or SSE chat.completion.chunk
+                                events then `data: [DONE]` with "stream": true
+    GET  /v1/models             {"object": "list", "data": [{"id": model_name, "object": "model", ...}]}
+    GET  /v1/models/{model}     the model card, or 404 model_not_found
+    GET  /health, GET /metrics  the kit's; bcstack_coordinator_llm_* and bcstack_http_*
+
+Auth: with `api_key` set, every /v1 route needs `Authorization: Bearer <key>`; a missing or
+wrong key is 401 (`invalid_api_key`). /health and /metrics stay open. The key is compared in
+constant time and appears in no response and no log line.
+
+A request naming a model other than `model_name` gets 404 `model_not_found`, as vLLM answers:
+a gateway pointed at the wrong name fails loudly instead of being answered by the wrong model.
+
+Fault injection (`fail_rate`, `fail_mode`, `fault_seed`; see `faults`) acts on valid, authorized
+chat completions only, after auth and request checks:
+- http500: 500 `server_error`;
+- http429: 429 `rate_limit_exceeded` with `Retry-After: retry_after_seconds`;
+- garbage: 200, a well-formed completion whose content holds no function call;
+- hang: the normal answer after `hang_seconds` (so a client timeout below that fires first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry
+
+from services.common.auth import bearer_token, token_matches
+from services.common.http import create_app
+from services.common.metrics import new_registry
+from services.coordinator_llm import protocol as proto
+from services.coordinator_llm.faults import GARBAGE_CONTENT, FaultInjector
+from services.coordinator_llm.metrics import CoordinatorLlmMetrics
+from services.coordinator_llm.policies import CoordinatorPolicy, build_policy
+from services.coordinator_llm.settings import CoordinatorLlmSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE = "coordinator-llm"
+
+MISSING_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header "
+    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+WRONG_KEY = "Incorrect API key provided."
+
+
+class _Refused(Exception):
+    """Raised by a dependency to answer a RequestError before the route runs."""
+
+    def __init__(self, error: proto.RequestError) -> None:
+        self.error = error
+
+
+def _error_response(error: proto.RequestError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def build_app(
+    settings: CoordinatorLlmSettings,
+    registry: CollectorRegistry | None = None,
+    *,
+    policy: CoordinatorPolicy | None = None,
+) -> FastAPI:
+    """The app (what `bcstack serve coordinator-llm` runs); `policy` defaults to `settings.policy`."""
+    registry = registry if registry is not None else new_registry()
+    policy = policy if policy is not None else build_policy(settings)
+    faults = FaultInjector(settings.fail_rate, settings.fail_mode, settings.fault_seed)
+    metrics = CoordinatorLlmMetrics(registry)
+    model = settings.model_name
+    created = proto.now()
+
+    def health() -> dict[str, Any]:
+        return {"model": model, "policy": policy.name}
+
+    def announce() -> None:
+        faults_note = ""
+        if settings.fail_rate > 0:
+            faults_note = (
+                f"; injecting {settings.fail_mode} on {settings.fail_rate:.0%} of requests "
+                f"(seed {settings.fault_seed})"
+            )
+        log.info(
+            "coordinator LLM: %s policy served as model %r (fanout %d, max_rounds %d), API key %s%s",
+            policy.name,
+            model,
+            settings.fanout,
+            settings.max_rounds,
+            "required" if settings.api_key is not None else "not required",
+            faults_note,
+        )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Logged at startup, not at build time: `run_service` sets up logging in between.
+        announce()
+        yield
+
+    app = create_app(SERVICE, settings, registry, health_check=health, lifespan=lifespan)
+
+    @app.exception_handler(_Refused)
+    async def _refused(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, _Refused)
+        return _error_response(exc.error)
+
+    async def require_api_key(request: Request) -> None:
+        expected = settings.api_key
+        if expected is None:
+            return
+        presented = bearer_token(request)
+        if presented is not None and token_matches(presented, expected):
+            return
+        client = request.client.host if request.client else "?"
+        reason = "no API key" if presented is None else "a wrong API key"
+        log.warning("refused %s %s from %s: %s", request.method, request.url.path, client, reason)
+        if request.url.path == "/v1/chat/completions":
+            metrics.requests.labels("unauthorized").inc()  # counted, but kept out of the latency
+        raise _Refused(
+            proto.RequestError(
+                MISSING_KEY if presented is None else WRONG_KEY,
+                status=401,
+                code=None if presented is None else "invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        )
+
+    keyed = [Depends(require_api_key)]
+
+    @app.post("/v1/chat/completions", dependencies=keyed)
+    async def chat_completions(request: Request) -> Any:
+        started = time.perf_counter()
+
+        def finished(outcome: str) -> None:
+            metrics.record(outcome, time.perf_counter() - started)
+
+        try:
+            req = proto.parse_chat_request(await request.body())
+            if req.model != model:
+                raise proto.RequestError(
+                    f"The model `{req.model}` does not exist. This server serves `{model}`.",
+                    status=404,
+                    param="model",
+                    code="model_not_found",
+                )
+        except proto.RequestError as e:
+            finished("invalid")
+            log.debug("refused a chat completion: %d %s", e.status, e)
+            return _error_response(e)
+
+        fault = faults.draw()
+        if fault == "http500":
+            finished("fault_http500")
+            return _error_response(
+                proto.RequestError(
+                    "The server had an error while processing your request (injected fault).",
+                    status=500,
+                    type="server_error",
+                )
+            )
+        if fault == "http429":
+            finished("fault_http429")
+            return _error_response(
+                proto.RequestError(
+                    "Rate limit reached for requests (injected fault). "
+                    f"Please try again in {settings.retry_after_seconds}s.",
+                    status=429,
+                    type="requests",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(settings.retry_after_seconds)},
+                )
+            )
+        if fault == "hang":
+            await asyncio.sleep(settings.hang_seconds)
+
+        try:
+            text = GARBAGE_CONTENT if fault == "garbage" else policy.next_turn(list(req.messages))
+        except Exception:
+            finished("error")
+            log.exception("the %s policy failed", policy.name)
+            return _error_response(
+                proto.RequestError(
+                    "The server had an error while processing your request.", status=500, type="server_error"
+                )
+            )
+        answer = proto.shape_answer(text, req)
+        outcome = f"fault_{fault}" if fault else ("length" if answer.finish_reason == "length" else "ok")
+        completion_id, now = proto.new_completion_id(), proto.now()
+        log.debug(
+            "chat completion %s: %d message(s) -> %s, %d+%d tokens (estimated)",
+            completion_id,
+            len(req.messages),
+            outcome,
+            answer.prompt_tokens,
+            answer.completion_tokens,
+        )
+        metrics.prompt_tokens.inc(answer.prompt_tokens)
+        metrics.completion_tokens.inc(answer.completion_tokens)
+        if not req.stream:
+            finished(outcome)
+            return JSONResponse(proto.completion_body(completion_id, now, model, answer))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                for chunk in proto.completion_chunks(
+                    completion_id, now, model, answer, include_usage=req.include_usage
+                ):
+                    yield proto.sse_event(chunk)
+                yield proto.SSE_DONE
+            finally:
+                finished(outcome)
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    @app.get("/v1/models", dependencies=keyed)
+    async def list_models() -> Any:
+        return {"object": "list", "data": [proto.model_card(model, created)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=keyed)
+    async def get_model(model_id: str) -> Any:
+        if model_id != model:
+            return _error_response(
+                proto.RequestError(
+                    f"The model `{model_id}` does not exist.",
+                    status=404,
+                    param="model",
+                    code="model_not_found",
+                )
+            )
+        return proto.model_card(model, created)
+
+    @app.api_route(
+        "/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
+    )
+    async def unknown_route(request: Request, path: str) -> Any:
+        # OpenAI's answer to a route it does not have (and to a wrong method on one it has).
+        return _error_response(
+            proto.RequestError(f"Invalid URL ({request.method} {request.url.path})", status=404)
+        )
+
+    return app
