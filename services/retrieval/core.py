@@ -122,7 +122,10 @@ class SearchCore:
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(settings.search_threads, thread_name_prefix="retrieval")
         self.embedder = MicroBatchingEmbedder(
-            index.embedder, max_batch=settings.embed_batch_size, max_wait_ms=settings.embed_max_wait_ms
+            index.embedder,
+            max_batch=settings.embed_batch_size,
+            max_wait_ms=settings.embed_max_wait_ms,
+            on_batch=metrics.embed_batch.observe,
         )
         metrics.documents.set(index.store.count())
 
