@@ -383,7 +383,7 @@ class _Builder:
             title = e.title
         elif isinstance(e, Artifact):
             facts = [
-                g.ARTIFACT_FACTS[0].format(artifact=e.name, kind=e.kind, year=e.year),
+                g.ARTIFACT_FACTS[0].format(artifact=e.name, a=g.article(e.kind), kind=e.kind, year=e.year),
                 g.ARTIFACT_FACTS[1].format(
                     artifact=e.name, inventor_profession=e.inventor.profession, inventor=e.inventor.name
                 ),

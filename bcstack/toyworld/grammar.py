@@ -172,7 +172,7 @@ PERSON_FACTS = (
 )
 PERSON_MENTOR = "{name} was mentored by the {mentor_profession} {mentor}."
 ARTIFACT_FACTS = (
-    "The {artifact} is a {kind} first demonstrated in {year}.",
+    "The {artifact} is {a} {kind} first demonstrated in {year}.",
     "The {artifact} was invented by the {inventor_profession} {inventor}.",
 )
 INSTITUTION_FACTS = (
