@@ -62,7 +62,7 @@ def make_embedder(model: str, settings: RetrievalSettings) -> Embedder:
     from services.retrieval.embedder import SentenceTransformerEmbedder
 
     try:
-        options = {"batch_size": settings.embed_doc_batch_size}
+        options = {"batch_size": settings.embed_doc_batch_size, "num_threads": settings.embed_threads}
         if settings.embed_max_length is not None:
             options.update(max_length=settings.embed_max_length, doc_max_length=settings.embed_max_length)
         return SentenceTransformerEmbedder(model, **options)

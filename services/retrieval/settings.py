@@ -53,6 +53,9 @@ class RetrievalSettings(ServiceSettings):
         description="token limit for queries and documents; unset = 256 (Qwen3-Embedding: 4096 for docs)",
     )
     embed_doc_batch_size: int = Field(64, gt=0, description="documents per forward pass while indexing")
+    embed_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads for the embedder (process-wide); unset = default"
+    )
     # 0 = no timer: a query arriving while the model is idle goes at once, and whatever arrives
     # while a batch runs forms the next batch (measured in bench/retrieval.py: the 3 ms timer
     # only added latency at moderate load, batching under load comes from the busy model).
