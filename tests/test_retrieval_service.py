@@ -213,9 +213,10 @@ def test_metrics_count_searches_per_stage(service):
     assert 'bcstack_retrieval_searches_total{mode="hybrid",outcome="ok",transport="http"}' in text
     assert 'bcstack_retrieval_searches_total{mode="hybrid",outcome="invalid",transport="http"}' in text
     assert f"bcstack_retrieval_documents {float(N_DOCS)}" in text
-    assert "bcstack_retrieval_embed_batch_queries_count" in text and "_count 0.0" not in text.split(
-        "bcstack_retrieval_embed_batch_queries_count"
-    )[1][:8]
+    assert (
+        "bcstack_retrieval_embed_batch_queries_count" in text
+        and "_count 0.0" not in text.split("bcstack_retrieval_embed_batch_queries_count")[1][:8]
+    )
 
 
 # --- quality -----------------------------------------------------------------------------------

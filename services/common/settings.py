@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import AliasChoices, BeforeValidator, Field, SecretStr, ValidationError, field_validator
+from pydantic import AliasChoices, BeforeValidator, Field, SecretStr, ValidationError
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -38,6 +38,19 @@ from services.common.logging import register_secret
 
 ADMIN_TOKEN_ENV = "BCSTACK_ADMIN_TOKEN"
 MiB = 1024 * 1024
+
+
+def _blank_secret_is_unset(value: Any) -> Any:
+    # Secrets read from mounted files often end in a newline; a blank one means "not set".
+    if isinstance(value, SecretStr):
+        value = value.get_secret_value()
+    if isinstance(value, str):
+        return value.strip() or None
+    return value
+
+
+# A secret setting: SecretStr (never printed), surrounding blanks stripped, blank = unset.
+OptionalSecret = typing.Annotated[SecretStr | None, BeforeValidator(_blank_secret_is_unset)]
 
 LogLevel = typing.Annotated[
     Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -91,7 +104,7 @@ class ServiceSettings(BaseSettings):
     )
     log_level: LogLevel = Field("INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL")
     log_json: bool = Field(False, description="log one JSON object per line")
-    admin_token: SecretStr | None = Field(
+    admin_token: OptionalSecret = Field(
         None,
         # An alias is not prefixed: the one token serves every service. validate_by_name keeps
         # `admin_token` usable as an override or YAML key.
@@ -110,17 +123,6 @@ class ServiceSettings(BaseSettings):
         # The env prefix always follows service_name, so the two cannot drift apart.
         # pydantic-settings reads model_config when an instance is built, not at class creation.
         cls.model_config["env_prefix"] = env_prefix_for(cls.service_name)
-
-    @field_validator("admin_token", mode="before")
-    @classmethod
-    def _blank_token_is_unset(cls, value: Any) -> Any:
-        # Tokens read from mounted secret files often end in a newline; a blank one disables admin.
-        if isinstance(value, SecretStr):
-            value = value.get_secret_value()
-        if isinstance(value, str):
-            value = value.strip()
-            return value or None
-        return value
 
     def model_post_init(self, context: Any, /) -> None:
         for name in type(self).model_fields:

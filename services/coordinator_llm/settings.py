@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field
 
-from services.common.settings import ServiceSettings
+from services.common.settings import OptionalSecret, ServiceSettings
 
 Policy = Literal["scripted"]
 FailMode = Literal["http500", "http429", "garbage", "hang"]
@@ -30,7 +30,7 @@ class CoordinatorLlmSettings(ServiceSettings):
         min_length=1,
         description="the model id served: listed by /v1/models; a request naming another model gets 404",
     )
-    api_key: SecretStr | None = Field(
+    api_key: OptionalSecret = Field(
         None, description="Bearer token every /v1 route requires; unset = no key needed"
     )
 
@@ -48,14 +48,3 @@ class CoordinatorLlmSettings(ServiceSettings):
     fault_seed: int = Field(0, description="seed of the fault draws: the same seed, the same pattern")
     retry_after_seconds: int = Field(1, ge=0, description="Retry-After of an injected 429, in seconds")
     hang_seconds: float = Field(30.0, ge=0.0, description="delay of an injected hang, in seconds")
-
-    @field_validator("api_key", mode="before")
-    @classmethod
-    def _blank_key_is_unset(cls, value: Any) -> Any:
-        # Keys read from mounted secret files often end in a newline; a blank one means "no key".
-        if isinstance(value, SecretStr):
-            value = value.get_secret_value()
-        if isinstance(value, str):
-            value = value.strip()
-            return value or None
-        return value
