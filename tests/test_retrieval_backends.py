@@ -434,6 +434,56 @@ def test_query_instruction_is_prepended_to_queries_only(minilm):
     assert instructed.embed_documents(page)[0] == pytest.approx(minilm.embed_documents(page)[0], abs=1e-5)
 
 
+@pytest.fixture(scope="module")
+def onnx_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("onnx-cache")
+
+
+def test_onnx_runtime_gives_the_torch_vectors_and_reuses_its_export(minilm, onnx_cache):
+    from services.retrieval.onnx_embedder import OnnxEmbedder
+
+    fast = OnnxEmbedder("all-MiniLM-L6-v2", max_length=256, cache_dir=onnx_cache)
+    assert fast.dim == 384 and fast.graph_path.parent == onnx_cache
+    queries = ["where is the cat", "capital of France", "x"]
+    docs = ["A cat sits on the mat. " * 80, "Stock markets fell sharply today."]  # one cut at 256 tokens
+    assert np.abs(fast.embed_queries(queries) - minilm.embed_queries(queries)).max() < 1e-5
+    assert np.abs(fast.embed_documents(docs) - minilm.embed_documents(docs)).max() < 1e-5
+    assert fast.embed_queries([]).shape == (0, 384)
+    # a second start loads the cached graph instead of exporting again
+    stamp = fast.graph_path.stat().st_mtime_ns
+    again = OnnxEmbedder("all-MiniLM-L6-v2", cache_dir=onnx_cache, num_threads=1)
+    assert again.graph_path == fast.graph_path and again.graph_path.stat().st_mtime_ns == stamp
+    assert [p.name for p in onnx_cache.iterdir()] == [fast.graph_path.name]  # no temp files left
+    instructed = OnnxEmbedder("all-MiniLM-L6-v2", query_instruction="search query: ", cache_dir=onnx_cache)
+    assert instructed.embed_queries(["capital of France"])[0] == pytest.approx(
+        minilm.embed_documents(["search query: capital of France"])[0], abs=1e-5
+    )
+
+
+def test_an_unfaithful_export_is_refused_not_served(minilm, onnx_cache, monkeypatch):
+    from services.retrieval import onnx_embedder
+
+    real_check = onnx_embedder._check_export
+    monkeypatch.setattr(
+        onnx_embedder, "_check_export", lambda st, names, graph: real_check(st, names, graph, tolerance=-1.0)
+    )
+    with pytest.raises(onnx_embedder.ExportMismatch, match="use embed_runtime=torch"):
+        onnx_embedder.OnnxEmbedder("all-MiniLM-L6-v2", max_length=128, cache_dir=onnx_cache / "other")
+    assert not list((onnx_cache / "other").glob("*.onnx"))  # nothing half-checked is cached
+
+
+def test_embed_runtime_setting_picks_the_embedder(onnx_cache):
+    from services.retrieval.index import make_embedder
+    from services.retrieval.onnx_embedder import OnnxEmbedder
+    from services.retrieval.settings import RetrievalSettings
+
+    assert isinstance(
+        make_embedder("all-MiniLM-L6-v2", RetrievalSettings(embed_cache_dir=onnx_cache)), OnnxEmbedder
+    )
+    torch_one = make_embedder("all-MiniLM-L6-v2", RetrievalSettings(embed_runtime="torch"))
+    assert isinstance(torch_one, SentenceTransformerEmbedder)
+
+
 def test_qwen3_embedding_gets_the_browsecomp_plus_recipe():
     instruction, doc_tokens = retrieval_recipe("Qwen/Qwen3-Embedding-8B")
     assert instruction == (

@@ -59,12 +59,19 @@ def write_manifest(index_dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def make_embedder(model: str, settings: RetrievalSettings) -> Embedder:
-    from services.retrieval.embedder import SentenceTransformerEmbedder
-
+    options: dict[str, Any] = {
+        "batch_size": settings.embed_doc_batch_size,
+        "num_threads": settings.embed_threads,
+    }
+    if settings.embed_max_length is not None:
+        options.update(max_length=settings.embed_max_length, doc_max_length=settings.embed_max_length)
     try:
-        options = {"batch_size": settings.embed_doc_batch_size, "num_threads": settings.embed_threads}
-        if settings.embed_max_length is not None:
-            options.update(max_length=settings.embed_max_length, doc_max_length=settings.embed_max_length)
+        if settings.embed_runtime == "onnx":
+            from services.retrieval.onnx_embedder import OnnxEmbedder
+
+            return OnnxEmbedder(model, cache_dir=settings.embed_cache_dir, **options)
+        from services.retrieval.embedder import SentenceTransformerEmbedder
+
         return SentenceTransformerEmbedder(model, **options)
     except Exception as e:  # a wrong name or path: say which, never a traceback
         raise RetrievalIndexError(f"cannot load embedder {model!r}: {e}") from None

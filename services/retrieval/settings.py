@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr
 from services.common.settings import ServiceSettings
 
 LexicalBackend = Literal["embedded", "elasticsearch"]
+EmbedRuntime = Literal["onnx", "torch"]
 DenseBackend = Literal["edge", "qdrant"]
 SearchMode = Literal["hybrid", "lexical", "dense"]
 
@@ -54,7 +55,15 @@ class RetrievalSettings(ServiceSettings):
     )
     embed_doc_batch_size: int = Field(64, gt=0, description="documents per forward pass while indexing")
     embed_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads for the embedder (process-wide); unset = default"
+        None, ge=1, description="intra-op threads for the embedder (torch: process-wide); unset = default"
+    )
+    embed_runtime: EmbedRuntime = Field(
+        "onnx",
+        description="run the embedder on onnx (ONNX Runtime, the fast CPU path) or torch "
+        "(sentence-transformers; use it on a GPU or for a model that does not export)",
+    )
+    embed_cache_dir: Path | None = Field(
+        None, description="where exported ONNX graphs are cached; unset = ~/.cache/bcstack/onnx"
     )
     # 0 = no timer: a query arriving while the model is idle goes at once, and whatever arrives
     # while a batch runs forms the next batch (measured in bench/retrieval.py: the 3 ms timer
