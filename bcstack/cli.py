@@ -11,6 +11,7 @@ import typer
 from bcstack import __version__
 from bcstack.modelkit.cli import app as model_app
 from bcstack.toyworld.cli import app as toyworld_app
+from services.coordinator import cli as coordinator_cli
 from services.coordinator_llm import cli as coordinator_llm_cli
 from services.engine import cli as engine_cli
 from services.retrieval import cli as retrieval_cli
@@ -34,6 +35,7 @@ serve_app = typer.Typer(
 serve_app.command("retrieval")(retrieval_cli.serve)
 serve_app.command("worker")(worker_cli.serve)
 serve_app.command("engine")(engine_cli.serve)
+serve_app.command("coordinator")(coordinator_cli.serve)
 serve_app.command("coordinator-llm")(coordinator_llm_cli.serve)
 
 app.add_typer(toyworld_app, name="toyworld")

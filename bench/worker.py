@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,81 +26,14 @@ import time
 from pathlib import Path
 
 import grpc
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import machine, print_machine  # noqa: E402
+from common import free_port, histogram, machine, print_machine, process, summary  # noqa: E402
 
 from bcstack.toyworld.policies import WORKER_TASK_TEMPLATE  # noqa: E402
 from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def process(args: list[str], health: str, log: Path):
-    out = log.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "bcstack", *args], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise SystemExit(f"{args[:2]} exited; see {log}")
-            try:
-                if httpx.get(health, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        out.close()
-
-
-def histogram(url: str, name: str) -> tuple[list[tuple[float, float]], float, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    buckets, total, count = [], 0.0, 0.0
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name == name + "_bucket":
-                buckets.append((float(s.labels["le"]), s.value))
-            elif s.name == name + "_sum":
-                total = s.value
-            elif s.name == name + "_count":
-                count = s.value
-    return sorted(buckets), total, count
-
-
-def summary(before, after) -> dict:
-    """Mean and interpolated p50/p99 (ms) of a histogram between two scrapes."""
-    (b0, s0, c0), (b1, s1, c1) = before, after
-    n = c1 - c0
-    if n <= 0:
-        return {"n": 0, "mean_ms": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
-    delta = [(le, a - b) for (le, a), (_, b) in zip(b1, b0, strict=True)]
-
-    def q(x: float) -> float:
-        lo_le, lo_n = 0.0, 0.0
-        for le, cum in delta:
-            if cum >= x * n:
-                if le == float("inf"):
-                    return lo_le * 1e3
-                return (lo_le + (le - lo_le) * (x * n - lo_n) / max(cum - lo_n, 1e-12)) * 1e3
-            lo_le, lo_n = le, cum
-        return float("inf")
-
-    return {"n": int(n), "mean_ms": (s1 - s0) / n * 1e3, "p50_ms": q(0.5), "p99_ms": q(0.99)}
 
 
 async def drive(address: str, questions: list[str], concurrency: int, duration: float) -> dict:

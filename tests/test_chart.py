@@ -117,7 +117,10 @@ def test_defaults_create_service_account_and_common_config_only() -> None:
         ("ServiceAccount", "bc-bcstack"),
     ]
     assert find(manifests, "ServiceAccount")["automountServiceAccountToken"] is False
-    assert find(manifests, "ConfigMap")["data"] == {"BCSTACK_LOG_LEVEL": "INFO", "BCSTACK_LOG_FORMAT": "json"}
+    assert find(manifests, "ConfigMap", "bc-bcstack-common")["data"] == {
+        "BCSTACK_LOG_LEVEL": "INFO",
+        "BCSTACK_LOG_FORMAT": "json",
+    }
 
 
 def test_defaults_are_non_root_and_components_off() -> None:
@@ -149,7 +152,7 @@ def test_optional_values_reach_the_objects() -> None:
     secret = find(manifests, "Secret", "bc-bcstack-admin-token")
     assert secret["type"] == "Opaque"
     assert base64.b64decode(secret["data"]["admin-token"]).decode() == "s3cr3t-from-set"
-    assert find(manifests, "ConfigMap")["data"] == {
+    assert find(manifests, "ConfigMap", "bc-bcstack-common")["data"] == {
         "BCSTACK_LOG_LEVEL": "DEBUG",
         "BCSTACK_LOG_FORMAT": "json",
         "HF_HUB_OFFLINE": "1",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -24,37 +23,13 @@ import pytest
 from conftest import find_free_port, wait_until
 from prom_util import prometheus, query
 from prometheus_client.parser import text_string_to_metric_families
+from stack_util import bcstack_process
 
 from bcstack.modelkit.build import build_tiny_kit
 from bcstack.toyworld.generator import generate_world, write_world
 from bcstack.toyworld.policies import WORKER_TASK_TEMPLATE
 from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import protocol as p
-
-
-@contextlib.contextmanager
-def _process(args: list[str], health: str, timeout: float = 120):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bcstack", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"{args[:2]} exited: {proc.stdout.read()}")
-        try:
-            return httpx.get(health, timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(up, timeout=timeout, interval=0.2, message=f"{' '.join(args[:2])} to become healthy")
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +47,7 @@ def stack(tmp_path_factory):
     ports = {name: find_free_port() for name in ("r_http", "r_grpc", "e_http", "t_http", "w_http", "w_grpc")}
     with contextlib.ExitStack() as stack:
         stack.enter_context(
-            _process(
+            bcstack_process(
                 ["serve", "retrieval", "--index-dir", str(tmp / "idx"), "--port", str(ports["r_http"]),
                  "--grpc-port", str(ports["r_grpc"])],
                 f"http://127.0.0.1:{ports['r_http']}/health",
@@ -80,10 +55,12 @@ def stack(tmp_path_factory):
         )  # fmt: skip
         expert = ["serve", "engine", "--policy", "expert", "--tokenizer", str(tmp / "tiny")]
         stack.enter_context(
-            _process([*expert, "--port", str(ports["e_http"])], f"http://127.0.0.1:{ports['e_http']}/health")
+            bcstack_process(
+                [*expert, "--port", str(ports["e_http"])], f"http://127.0.0.1:{ports['e_http']}/health"
+            )
         )
         stack.enter_context(
-            _process(
+            bcstack_process(
                 ["serve", "engine", "--model", str(tmp / "tiny"), "--port", str(ports["t_http"])],
                 f"http://127.0.0.1:{ports['t_http']}/health",
             )
@@ -107,7 +84,7 @@ def _worker(tiny, engine_url: str, retrieval: str, http: int, grpc_port: int, co
     args += ["--port", str(http), "--grpc-port", str(grpc_port)]
     if config is not None:
         args += ["--config", str(config)]
-    return _process(args, f"http://127.0.0.1:{http}/health")
+    return bcstack_process(args, f"http://127.0.0.1:{http}/health")
 
 
 def _branch(question: str, **kw) -> worker_pb2.RunWorkerEpisodeRequest:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from bcstack.v1 import common_pb2 as bcstack_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x63stack/v1/coordinator.proto\x12\nbcstack.v1\x1a\x17\x62\x63stack/v1/common.proto\"\x9e\x01\n\x14\x43oordinatorOverrides\x12\x16\n\tmax_turns\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cmax_branches\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x11wall_time_seconds\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x0c\n\n_max_turnsB\x0f\n\r_max_branchesB\x14\n\x12_wall_time_seconds\"\x95\x02\n\x1cRunCoordinatorEpisodeRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x18\n\x0bquestion_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0bgold_answer\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x33\n\toverrides\x18\x04 \x01(\x0b\x32 .bcstack.v1.CoordinatorOverrides\x12\x17\n\nepisode_id\x18\x05 \x01(\tH\x02\x88\x01\x01\x12\x32\n\rworker_budget\x18\x06 \x01(\x0b\x32\x1b.bcstack.v1.BudgetOverridesB\x0e\n\x0c_question_idB\x0e\n\x0c_gold_answerB\r\n\x0b_episode_id\"\xa4\x02\n\x1dRunCoordinatorEpisodeResponse\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\x13\n\x0b\x65xplanation\x18\x03 \x01(\t\x12\x12\n\nconfidence\x18\x04 \x01(\t\x12\x30\n\x0eworker_reports\x18\x05 \x03(\x0b\x32\x18.bcstack.v1.WorkerReport\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.bcstack.v1.Usage\x12\x0e\n\x06status\x18\x07 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x08 \x01(\t\x12\x17\n\x0fweight_versions\x18\t \x03(\t\x12\'\n\x0cworker_usage\x18\n \x01(\x0b\x32\x11.bcstack.v1.Usage2w\n\x12\x43oordinatorService\x12\x61\n\nRunEpisode\x12(.bcstack.v1.RunCoordinatorEpisodeRequest\x1a).bcstack.v1.RunCoordinatorEpisodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62\x63stack/v1/coordinator.proto\x12\nbcstack.v1\x1a\x17\x62\x63stack/v1/common.proto\"\x9e\x01\n\x14\x43oordinatorOverrides\x12\x16\n\tmax_turns\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cmax_branches\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x11wall_time_seconds\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x0c\n\n_max_turnsB\x0f\n\r_max_branchesB\x14\n\x12_wall_time_seconds\"\xb9\x02\n\x1cRunCoordinatorEpisodeRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x18\n\x0bquestion_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0bgold_answer\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x33\n\toverrides\x18\x04 \x01(\x0b\x32 .bcstack.v1.CoordinatorOverrides\x12\x17\n\nepisode_id\x18\x05 \x01(\tH\x02\x88\x01\x01\x12\x32\n\rworker_budget\x18\x06 \x01(\x0b\x32\x1b.bcstack.v1.BudgetOverrides\x12\x15\n\x08group_id\x18\x07 \x01(\tH\x03\x88\x01\x01\x42\x0e\n\x0c_question_idB\x0e\n\x0c_gold_answerB\r\n\x0b_episode_idB\x0b\n\t_group_id\"\xd9\x02\n\x1dRunCoordinatorEpisodeResponse\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\x13\n\x0b\x65xplanation\x18\x03 \x01(\t\x12\x12\n\nconfidence\x18\x04 \x01(\t\x12\x30\n\x0eworker_reports\x18\x05 \x03(\x0b\x32\x18.bcstack.v1.WorkerReport\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.bcstack.v1.Usage\x12\x0e\n\x06status\x18\x07 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x08 \x01(\t\x12\x17\n\x0fweight_versions\x18\t \x03(\t\x12\'\n\x0cworker_usage\x18\n \x01(\x0b\x32\x11.bcstack.v1.Usage\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x13\n\x0bquestion_id\x18\x0c \x01(\t\x12\x0f\n\x07seconds\x18\r \x01(\x01\x32w\n\x12\x43oordinatorService\x12\x61\n\nRunEpisode\x12(.bcstack.v1.RunCoordinatorEpisodeRequest\x1a).bcstack.v1.RunCoordinatorEpisodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COORDINATOROVERRIDES']._serialized_start=70
   _globals['_COORDINATOROVERRIDES']._serialized_end=228
   _globals['_RUNCOORDINATOREPISODEREQUEST']._serialized_start=231
-  _globals['_RUNCOORDINATOREPISODEREQUEST']._serialized_end=508
-  _globals['_RUNCOORDINATOREPISODERESPONSE']._serialized_start=511
-  _globals['_RUNCOORDINATOREPISODERESPONSE']._serialized_end=803
-  _globals['_COORDINATORSERVICE']._serialized_start=805
-  _globals['_COORDINATORSERVICE']._serialized_end=924
+  _globals['_RUNCOORDINATOREPISODEREQUEST']._serialized_end=544
+  _globals['_RUNCOORDINATOREPISODERESPONSE']._serialized_start=547
+  _globals['_RUNCOORDINATOREPISODERESPONSE']._serialized_end=892
+  _globals['_COORDINATORSERVICE']._serialized_start=894
+  _globals['_COORDINATORSERVICE']._serialized_end=1013
 # @@protoc_insertion_point(module_scope)

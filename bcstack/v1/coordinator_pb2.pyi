@@ -18,23 +18,25 @@ class CoordinatorOverrides(_message.Message):
     def __init__(self, max_turns: _Optional[int] = ..., max_branches: _Optional[int] = ..., wall_time_seconds: _Optional[float] = ...) -> None: ...
 
 class RunCoordinatorEpisodeRequest(_message.Message):
-    __slots__ = ("question", "question_id", "gold_answer", "overrides", "episode_id", "worker_budget")
+    __slots__ = ("question", "question_id", "gold_answer", "overrides", "episode_id", "worker_budget", "group_id")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
     GOLD_ANSWER_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     question: str
     question_id: str
     gold_answer: str
     overrides: CoordinatorOverrides
     episode_id: str
     worker_budget: _common_pb2.BudgetOverrides
-    def __init__(self, question: _Optional[str] = ..., question_id: _Optional[str] = ..., gold_answer: _Optional[str] = ..., overrides: _Optional[_Union[CoordinatorOverrides, _Mapping]] = ..., episode_id: _Optional[str] = ..., worker_budget: _Optional[_Union[_common_pb2.BudgetOverrides, _Mapping]] = ...) -> None: ...
+    group_id: str
+    def __init__(self, question: _Optional[str] = ..., question_id: _Optional[str] = ..., gold_answer: _Optional[str] = ..., overrides: _Optional[_Union[CoordinatorOverrides, _Mapping]] = ..., episode_id: _Optional[str] = ..., worker_budget: _Optional[_Union[_common_pb2.BudgetOverrides, _Mapping]] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class RunCoordinatorEpisodeResponse(_message.Message):
-    __slots__ = ("episode_id", "answer", "explanation", "confidence", "worker_reports", "usage", "status", "endpoint", "weight_versions", "worker_usage")
+    __slots__ = ("episode_id", "answer", "explanation", "confidence", "worker_reports", "usage", "status", "endpoint", "weight_versions", "worker_usage", "error", "question_id", "seconds")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,9 @@ class RunCoordinatorEpisodeResponse(_message.Message):
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     WORKER_USAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     answer: str
     explanation: str
@@ -55,4 +60,7 @@ class RunCoordinatorEpisodeResponse(_message.Message):
     endpoint: str
     weight_versions: _containers.RepeatedScalarFieldContainer[str]
     worker_usage: _common_pb2.Usage
-    def __init__(self, episode_id: _Optional[str] = ..., answer: _Optional[str] = ..., explanation: _Optional[str] = ..., confidence: _Optional[str] = ..., worker_reports: _Optional[_Iterable[_Union[_common_pb2.WorkerReport, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., status: _Optional[str] = ..., endpoint: _Optional[str] = ..., weight_versions: _Optional[_Iterable[str]] = ..., worker_usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    error: str
+    question_id: str
+    seconds: float
+    def __init__(self, episode_id: _Optional[str] = ..., answer: _Optional[str] = ..., explanation: _Optional[str] = ..., confidence: _Optional[str] = ..., worker_reports: _Optional[_Iterable[_Union[_common_pb2.WorkerReport, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., status: _Optional[str] = ..., endpoint: _Optional[str] = ..., weight_versions: _Optional[_Iterable[str]] = ..., worker_usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[str] = ..., question_id: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -26,8 +26,11 @@ if _version_not_supported:
 
 
 class CoordinatorServiceStub:
-    """Coordinator episodes. Errors: INVALID_ARGUMENT for an empty question; UNAVAILABLE when the
-    coordinator LLM endpoint cannot be reached.
+    """Coordinator episodes. Every episode that starts ends with a recorded status; an unreachable
+    coordinator LLM is status "error" with the reason in `error`, not an RPC error. Errors:
+    INVALID_ARGUMENT for an empty or oversized question or bad overrides; RESOURCE_EXHAUSTED when
+    the gateway runs its maximum of concurrent episodes; ALREADY_EXISTS is never used: a request
+    whose episode_id is already recorded gets the stored result back.
     """
 
     def __init__(self, channel):
@@ -44,8 +47,11 @@ class CoordinatorServiceStub:
 
 
 class CoordinatorServiceServicer:
-    """Coordinator episodes. Errors: INVALID_ARGUMENT for an empty question; UNAVAILABLE when the
-    coordinator LLM endpoint cannot be reached.
+    """Coordinator episodes. Every episode that starts ends with a recorded status; an unreachable
+    coordinator LLM is status "error" with the reason in `error`, not an RPC error. Errors:
+    INVALID_ARGUMENT for an empty or oversized question or bad overrides; RESOURCE_EXHAUSTED when
+    the gateway runs its maximum of concurrent episodes; ALREADY_EXISTS is never used: a request
+    whose episode_id is already recorded gets the stored result back.
     """
 
     def RunEpisode(self, request, context):
@@ -72,8 +78,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class CoordinatorService:
-    """Coordinator episodes. Errors: INVALID_ARGUMENT for an empty question; UNAVAILABLE when the
-    coordinator LLM endpoint cannot be reached.
+    """Coordinator episodes. Every episode that starts ends with a recorded status; an unreachable
+    coordinator LLM is status "error" with the reason in `error`, not an RPC error. Errors:
+    INVALID_ARGUMENT for an empty or oversized question or bad overrides; RESOURCE_EXHAUSTED when
+    the gateway runs its maximum of concurrent episodes; ALREADY_EXISTS is never used: a request
+    whose episode_id is already recorded gets the stored result back.
     """
 
     @staticmethod

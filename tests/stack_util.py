@@ -1,0 +1,83 @@
+"""Real `bcstack` processes for end-to-end tests: start one, wait until healthy, stop it.
+
+    with bcstack_process(["serve", "worker", ...], "http://127.0.0.1:PORT/health") as proc: ...
+
+Output goes to a temporary log file (a pipe nobody reads would fill and block a chatty server);
+when the process dies before it is healthy the assertion quotes the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from conftest import wait_until
+
+
+class BcstackProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bcstack", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, health_url: str, timeout: float) -> None:
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{' '.join(self.args[:2])} exited {self.proc.returncode}: {self.log()}")
+            try:
+                return httpx.get(health_url, timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout=timeout, interval=0.2, message=f"{' '.join(self.args[:2])} to become healthy")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs (what a crash or an OOM kill looks like)."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def bcstack_process(
+    args: list[str], health_url: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> Iterator[BcstackProcess]:
+    """``env`` is added to this process's environment."""
+    log_path = Path(tempfile.mkstemp(prefix="bcstack-", suffix=".log")[1])
+    process = BcstackProcess(args, log_path, env)
+    try:
+        process.wait_healthy(health_url, timeout)
+        yield process
+    except BaseException:
+        # pytest shows a failed test's captured output: the server's side of the story
+        print(f"--- log of bcstack {' '.join(args[:2])} (last 6000 characters) ---\n{process.log()[-6000:]}")
+        raise
+    finally:
+        process.stop()
+        log_path.unlink(missing_ok=True)
