@@ -77,12 +77,17 @@ def process(args: list[str], health: str, log: Path):
         out.close()
 
 
-def histogram(url: str, name: str) -> tuple[list[tuple[float, float]], float, float]:
+def histogram(
+    url: str, name: str, labels: dict[str, str] | None = None
+) -> tuple[list[tuple[float, float]], float, float]:
+    """Buckets, sum and count of one histogram series (the one whose labels include ``labels``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     buckets, total, count = [], 0.0, 0.0
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for s in fam.samples:
+            if labels and any(s.labels.get(k) != v for k, v in labels.items()):
+                continue
             if s.name == name + "_bucket":
                 buckets.append((float(s.labels["le"]), s.value))
             elif s.name == name + "_sum":

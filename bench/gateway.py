@@ -9,9 +9,13 @@ a child process of this script (a real gRPC WorkerService that answers every bra
 a canned finished report). This script keeps N episodes in flight over HTTP for --duration
 seconds per level. It reports episodes/s, turns/s, errors, statuses, the client-side episode
 latency, and per coordinator turn (from the gateway's /metrics, deltas per level) the gateway's
-own overhead = turn time - coordinator LLM wait - worker wait (parsing, prompts, dispatch,
-observations, the event loop), mean, p50 and p99. The durable record write (SQLite, fsync) is
-per episode and reported apart. All processes share this machine's cores.
+own compute = turn time - coordinator LLM wait - worker wait (parsing, validation, dispatch,
+observations), mean and p99; and the gateway process's whole CPU time per turn (its HTTP
+server and client, gRPC, JSON, records, the event loop: everything it spends, per turn served),
+beside the CPU time of the other processes. Time lost between the processes (HTTP client, transport, the
+gateway's event loop picking up a finished call) shows as the gap between an LLM call as the
+gateway timed it and the same calls as the LLM server timed them. The durable record write
+(SQLite, fsync) is per episode and reported apart. All processes share this machine's cores.
 
 Target (issue 5): overhead <= 5 ms per turn and no errors at 512 concurrent episodes.
 """
@@ -22,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -87,6 +92,12 @@ def stub_worker(port: int) -> None:
         await server.wait_for_termination()
 
     asyncio.run(serve())
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def drive(url: str, concurrency: int, duration: float) -> dict:
@@ -188,7 +199,7 @@ def main() -> None:
                 ["serve", "coordinator-llm", "--port", str(ports["llm"])],
                 f"http://127.0.0.1:{ports['llm']}/health",
                 args.work / "llm.log",
-            ),
+            ) as llm_proc,
             process(
                 [
                     "serve",
@@ -202,20 +213,36 @@ def main() -> None:
                 ],
                 gateway_url + "/health",
                 args.work / "gateway.log",
-            ),
+            ) as gateway_proc,
         ):
             asyncio.run(drive(gateway_url, 4, 2.0))  # warm-up: connections, first records
+            llm_url = f"http://127.0.0.1:{ports['llm']}"
+            series = {
+                "overhead": (gateway_url, "bcstack_coordinator_turn_overhead_seconds", None),
+                "record_write": (gateway_url, "bcstack_coordinator_record_write_duration_seconds", None),
+                "llm_call_gateway": (
+                    gateway_url,
+                    "bcstack_coordinator_upstream_request_duration_seconds",
+                    {"outcome": "ok"},
+                ),
+                "llm_call_server": (llm_url, "bcstack_coordinator_llm_request_duration_seconds", None),
+            }
+            pids = {
+                "gateway": gateway_proc.pid,
+                "llm": llm_proc.pid,
+                "worker": stub.pid,
+                "client": os.getpid(),
+            }
             for level in levels:
-                names = (
-                    "bcstack_coordinator_turn_overhead_seconds",
-                    "bcstack_coordinator_record_write_duration_seconds",
-                )
-                before = {n: histogram(gateway_url, n) for n in names}
+                before = {k: histogram(*v) for k, v in series.items()}
+                cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
                 run = asyncio.run(drive(gateway_url, level, args.duration))
-                after = {n: histogram(gateway_url, n) for n in names}
+                cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                after = {k: histogram(*v) for k, v in series.items()}
                 run["concurrency"] = level
-                run["overhead"] = summary(before[names[0]], after[names[0]])
-                run["record_write"] = summary(before[names[1]], after[names[1]])
+                run["cpu_seconds"] = {k: cpu1[k] - cpu0[k] for k in pids}
+                for key in series:
+                    run[key] = summary(before[key], after[key])
                 results.append(run)
                 print(
                     f"  c={level}: {run['episodes'] / run['seconds']:.1f} episodes/s, "
@@ -229,18 +256,24 @@ def main() -> None:
     print()
     print(
         "| concurrent episodes | episodes/s | vs 1 | turns/s | errors | statuses | episode p50 / p99 ms "
-        "| overhead per turn mean / p50 / p99 ms | record write p50 / p99 ms |"
+        "| gateway compute per turn mean / p99 ms | gateway CPU ms per turn "
+        "| LLM call mean ms: gateway view / server view | record write p50 / p99 ms "
+        "| CPU s: gateway / LLM / worker / client |"
     )
-    print("|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for r in results:
         eps = r["episodes"] / r["seconds"]
         o, w = r["overhead"], r["record_write"]
+        g, v, c = r["llm_call_gateway"], r["llm_call_server"], r["cpu_seconds"]
         print(
             f"| {r['concurrency']} | {eps:.1f} | {eps / base:.2f} | {r['turns'] / r['seconds']:.1f} "
             f"| {r['errors']} | {', '.join(f'{k} {v}' for k, v in sorted(r['statuses'].items()))} "
             f"| {r['latency_p50_ms']:.1f} / {r['latency_p99_ms']:.1f} "
-            f"| {o['mean_ms']:.2f} / {o['p50_ms']:.2f} / {o['p99_ms']:.2f} "
-            f"| {w['p50_ms']:.2f} / {w['p99_ms']:.2f} |"
+            f"| {o['mean_ms']:.3f} / {o['p99_ms']:.3f} "
+            f"| {c['gateway'] * 1e3 / max(r['turns'], 1):.2f} "
+            f"| {g['mean_ms']:.2f} / {v['mean_ms']:.2f} "
+            f"| {w['p50_ms']:.2f} / {w['p99_ms']:.2f} "
+            f"| {' / '.join(f'{c[k]:.1f}' for k in ('gateway', 'llm', 'worker', 'client'))} |"
         )
     top = results[-1] if results else None
     if top is not None:

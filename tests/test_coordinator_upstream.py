@@ -16,29 +16,28 @@ import email.utils
 import json
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import uvicorn
-from conftest import LOOPBACK, find_free_port, wait_until
+from conftest import LOOPBACK, find_free_port
+from fake_openai import Reply, ScriptedLLM, serving_uvicorn
 
 from services.common.http import uvicorn_server
 from services.common.settings import load_settings
-from services.coordinator.registry import Endpoint, EndpointRegistry, RegistryError
-from services.coordinator.settings import EndpointSpec
-from services.coordinator.upstream import (
+from services.common.upstream import (
     ChatResult,
     CircuitBreaker,
+    EndpointSpec,
     UpstreamClient,
     UpstreamError,
     resolve_api_key,
 )
+from services.coordinator.registry import Endpoint, EndpointRegistry, RegistryError
 from services.coordinator_llm.service import build_app
 from services.coordinator_llm.settings import CoordinatorLlmSettings
 
@@ -73,18 +72,6 @@ def dead_url() -> str:
 
 
 @contextmanager
-def serving_uvicorn(server: uvicorn.Server) -> Iterator[None]:
-    thread = threading.Thread(target=asyncio.run, args=(server.serve(),), daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: server.started, timeout=10, interval=0.02, message="server started")
-        yield
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-@contextmanager
 def stand_in(**overrides: Any) -> Iterator[str]:
     """The stand-in coordinator LLM in a thread; yields its OpenAI base URL (…/v1)."""
     port = find_free_port()
@@ -100,75 +87,6 @@ def seed_for(pattern: list[bool], rate: float = 0.5) -> int:
         if [rng.random() < rate for _ in pattern] == pattern:
             return seed
     raise AssertionError(f"no seed gives {pattern}")
-
-
-@dataclass
-class Reply:
-    status: int = 200
-    body: Any = None  # dict -> JSON, bytes -> as is, None -> a completion (200) or an OpenAI error
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def completion(content: Any = "<function=finish>\n<parameter=answer>Tartu</parameter>\n</function>") -> dict:
-    return {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "model": MODEL,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
-        ],
-        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
-    }
-
-
-class ScriptedLLM:
-    """An OpenAI-compatible ASGI app: chat completions get the scripted replies in order, then 200s;
-    GET …/models lists `model`. Every request is recorded (method, path, headers, JSON body)."""
-
-    def __init__(self, *script: int | Reply, model: str = MODEL) -> None:
-        self.script = [s if isinstance(s, Reply) else Reply(s) for s in script]
-        self.model = model
-        self.requests: list[dict[str, Any]] = []
-        self.base_url = ""
-
-    @property
-    def chats(self) -> list[dict[str, Any]]:
-        return [r for r in self.requests if r["path"].endswith("/chat/completions")]
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        assert scope["type"] == "http"
-        raw, more = b"", True
-        while more:
-            message = await receive()
-            raw += message.get("body", b"")
-            more = message.get("more_body", False)
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        self.requests.append(
-            {
-                "method": scope["method"],
-                "path": scope["path"],
-                "headers": headers,
-                "json": json.loads(raw) if raw else None,
-            }
-        )
-        if scope["path"].endswith("/models"):
-            reply = Reply(200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
-        else:
-            reply = self.script.pop(0) if self.script else Reply()
-        body = reply.body
-        if body is None:
-            body = (
-                completion()
-                if reply.status == 200
-                else {
-                    "error": {"message": f"scripted {reply.status}", "type": "x", "param": None, "code": None}
-                }
-            )
-        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-        out_headers = [(b"content-type", b"application/json")]
-        out_headers += [(k.encode(), v.encode()) for k, v in reply.headers.items()]
-        await send({"type": "http.response.start", "status": reply.status, "headers": out_headers})
-        await send({"type": "http.response.body", "body": payload})
 
 
 @pytest.fixture

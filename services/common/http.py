@@ -153,6 +153,7 @@ def uvicorn_server(app: Any, settings: ServiceSettings, **config: Any) -> uvicor
     config.setdefault("log_level", settings.log_level.lower())
     config.setdefault("timeout_graceful_shutdown", settings.shutdown_grace_seconds)
     config.setdefault("server_header", False)
+    config.setdefault("timeout_keep_alive", settings.http_keep_alive_seconds)
     return _Uvicorn(uvicorn.Config(app, host=settings.host, port=settings.port, **config))
 
 

@@ -113,6 +113,13 @@ class ServiceSettings(BaseSettings):
     )
     max_request_bytes: int = Field(16 * MiB, ge=0, description="largest HTTP request body (413 above)")
     grpc_max_message_bytes: int = Field(64 * MiB, gt=0, description="largest gRPC message, both ways")
+    # uvicorn's default of 5 s races clients and proxies that keep connections longer (httpx: 5 s,
+    # ingress-nginx: 60 s) and, under load, its own event loop: the server closes a connection
+    # whose next request is already in flight and the client gets a ReadError. bench/gateway.py
+    # saw that at 512 concurrent episodes; vLLM and KServe made it configurable for the same reason.
+    http_keep_alive_seconds: float = Field(
+        75.0, gt=0, description="idle time before the HTTP server closes a kept-alive connection"
+    )
     shutdown_grace_seconds: float = Field(
         10.0, ge=0, description="time in-flight requests get to finish on SIGTERM/SIGINT"
     )

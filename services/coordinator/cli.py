@@ -33,10 +33,10 @@ def serve(
 ) -> None:
     """Run coordinator episodes: the coordinator LLM branches research to workers and finishes."""
     from services.common.runner import run_service
+    from services.common.upstream import UpstreamError
     from services.coordinator.records import RecordStoreError
     from services.coordinator.registry import RegistryError
     from services.coordinator.service import build
-    from services.coordinator.upstream import UpstreamError
 
     settings = load_or_fail(
         CoordinatorSettings,

@@ -66,7 +66,7 @@ class BranchResult(Protocol):
 
 
 class ChatReply(Protocol):
-    """What a chat call returns (services.coordinator.upstream.ChatResult)."""
+    """What a chat call returns (services.common.upstream.ChatResult)."""
 
     content: str
     prompt_tokens: int
@@ -238,12 +238,13 @@ async def _loop(
         except Exception as exc:  # the coordinator LLM is unreachable; its message is the reason
             episode.error = str(exc) or type(exc).__name__
             return "error"
+        chat_seconds = clock() - t0  # the LLM wait: everything after it is the gateway's own work
         content = reply.content or ""
         messages.append({"role": "assistant", "content": content})
         calls = p.parse_calls(content)
         turn = CoordinatorTurn(
             index=turn_index,
-            seconds=clock() - t0,
+            seconds=chat_seconds,
             attempts=reply.attempts,
             prompt_tokens=reply.prompt_tokens,
             completion_tokens=reply.completion_tokens,

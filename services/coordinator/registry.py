@@ -19,8 +19,7 @@ from typing import Any
 
 import httpx
 
-from services.coordinator.settings import EndpointSpec
-from services.coordinator.upstream import CircuitBreaker, UpstreamClient, UpstreamError, read_api_key
+from services.common.upstream import CircuitBreaker, EndpointSpec, UpstreamClient, UpstreamError, read_api_key
 
 log = logging.getLogger("bcstack.coordinator")
 

@@ -33,11 +33,12 @@ from services.common.auth import require_admin
 from services.common.grpc_server import GrpcServer
 from services.common.http import create_app
 from services.common.metrics import new_registry
+from services.common.upstream import EndpointSpec
 from services.coordinator.loop import Branch, CoordinatorEpisode, LoopLimits, run_episode
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.records import RecordStore, RecordStoreError
 from services.coordinator.registry import Endpoint, EndpointRegistry, RegistryError
-from services.coordinator.settings import CoordinatorSettings, EndpointSpec
+from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.workers import WorkerPool
 
 SERVICE = "coordinator"

@@ -11,49 +11,14 @@ Secret) that holds its key.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from services.common.settings import ServiceSettings
-
-ENDPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-
-
-class EndpointSpec(BaseModel):
-    """One named OpenAI-compatible coordinator LLM endpoint."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(description="registry name (letters, digits, . _ -)")
-    base_url: str = Field(description="OpenAI-compatible base URL, e.g. http://minimax:8000/v1")
-    model: str = Field(description="model id sent in each chat completion")
-    api_key_env: str | None = Field(None, description="env var holding the API key")
-    api_key_file: Path | None = Field(None, description="file holding the API key (a mounted Secret)")
-    timeout_seconds: float = Field(300.0, gt=0, description="one chat completion at most")
-    connect_timeout_seconds: float = Field(5.0, gt=0, description="TCP connect at most")
-    temperature: float | None = Field(1.0, ge=0, description="sampling temperature; null = upstream default")
-    top_p: float | None = Field(0.95, gt=0, le=1, description="nucleus sampling; null = upstream default")
-    max_tokens: int | None = Field(
-        8192, gt=0, description="completion tokens per turn; null = upstream default"
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _name_shape(cls, value: str) -> str:
-        if not ENDPOINT_NAME_RE.match(value):
-            raise ValueError("use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
-        return value
-
-    @field_validator("base_url")
-    @classmethod
-    def _url_shape(cls, value: str) -> str:
-        if not re.match(r"^https?://[^\s/]+", value):
-            raise ValueError(f"not an http(s) URL: {value!r}")
-        return value.rstrip("/")
+from services.common.upstream import EndpointSpec
 
 
 class CoordinatorSettings(ServiceSettings):

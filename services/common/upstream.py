@@ -1,4 +1,4 @@
-"""The coordinator LLM client: one OpenAI-compatible chat endpoint, with retries and a circuit breaker.
+"""An OpenAI-compatible chat client (the coordinator LLM, the grader LLM) with retries and a breaker.
 
     client = UpstreamClient(spec, resolve_api_key(spec), attempts=5, breaker=CircuitBreaker(5, 30.0))
     result = await client.chat(messages)        # ChatResult, or UpstreamError after the retries
@@ -30,21 +30,59 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_random_exponential
 
 from services.common.logging import REDACTED, register_secret
-from services.coordinator.settings import EndpointSpec
 
-log = logging.getLogger("bcstack.coordinator")
+ENDPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class EndpointSpec(BaseModel):
+    """One named OpenAI-compatible chat endpoint (a coordinator LLM, a grader LLM)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="registry name (letters, digits, . _ -)")
+    base_url: str = Field(description="OpenAI-compatible base URL, e.g. http://minimax:8000/v1")
+    model: str = Field(description="model id sent in each chat completion")
+    api_key_env: str | None = Field(None, description="env var holding the API key")
+    api_key_file: Path | None = Field(None, description="file holding the API key (a mounted Secret)")
+    timeout_seconds: float = Field(300.0, gt=0, description="one chat completion at most")
+    connect_timeout_seconds: float = Field(5.0, gt=0, description="TCP connect at most")
+    temperature: float | None = Field(1.0, ge=0, description="sampling temperature; null = upstream default")
+    top_p: float | None = Field(0.95, gt=0, le=1, description="nucleus sampling; null = upstream default")
+    max_tokens: int | None = Field(
+        8192, gt=0, description="completion tokens per turn; null = upstream default"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, value: str) -> str:
+        if not ENDPOINT_NAME_RE.match(value):
+            raise ValueError("use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return value
+
+    @field_validator("base_url")
+    @classmethod
+    def _url_shape(cls, value: str) -> str:
+        if not re.match(r"^https?://[^\s/]+", value):
+            raise ValueError(f"not an http(s) URL: {value!r}")
+        return value.rstrip("/")
+
+
+log = logging.getLogger("bcstack.upstream")
 
 KINDS = (
     "rate_limited",  # 429
@@ -62,7 +100,6 @@ RETRIED_KINDS = frozenset({"rate_limited", "server_error", "timeout", "connectio
 
 MESSAGE_LIMIT = 300  # characters of an upstream error message kept in ours
 PROBE_TIMEOUT_SECONDS = 10.0
-USER_AGENT = "bcstack-coordinator"
 
 
 class UpstreamError(Exception):
@@ -85,8 +122,10 @@ class UpstreamError(Exception):
         retryable: bool | None = None,
         attempts: int = 1,
         retry_after: float | None = None,
+        role: str = "coordinator",
     ) -> None:
         self.kind = kind
+        self.role = role
         self.endpoint = endpoint
         self.status = status
         self.retryable = (kind in RETRIED_KINDS or kind == "circuit_open") if retryable is None else retryable
@@ -96,7 +135,7 @@ class UpstreamError(Exception):
         self.detail = detail
         where = f"{head} after {attempts} attempts" if attempts > 1 else head
         self.reason = _one_line(f"{where}: {detail}" if detail else where, limit=2 * MESSAGE_LIMIT)
-        super().__init__(f"coordinator endpoint '{endpoint}': {self.reason}")
+        super().__init__(f"{role} endpoint '{endpoint}': {self.reason}")
 
     def after(self, attempts: int, *, retryable: bool | None = None) -> UpstreamError:
         """This error as the outcome of `attempts` attempts."""
@@ -109,6 +148,7 @@ class UpstreamError(Exception):
             retryable=self.retryable if retryable is None else retryable,
             attempts=attempts,
             retry_after=self.retry_after,
+            role=self.role,
         )
 
 
@@ -204,7 +244,7 @@ class CircuitBreaker:
         return f"CircuitBreaker(state={self._state!r}, failures={self._consecutive}/{self.failures})"
 
 
-def read_api_key(spec: EndpointSpec) -> tuple[str | None, str | None]:
+def read_api_key(spec: EndpointSpec, role: str = "coordinator") -> tuple[str | None, str | None]:
     """(key, source) of `spec`: source is "env:NAME", "file:PATH" or None (no key configured).
 
     With both named, the env var wins when it holds a key and the file is the fallback.
@@ -234,13 +274,15 @@ def read_api_key(spec: EndpointSpec) -> tuple[str | None, str | None]:
                 return value, f"file:{path}"
             problems.append(f"key file {path} is blank")
     if problems:
-        raise UpstreamError("no_api_key", spec.name, "no API key", "; ".join(problems), retryable=False)
+        raise UpstreamError(
+            "no_api_key", spec.name, "no API key", "; ".join(problems), retryable=False, role=role
+        )
     return None, None
 
 
-def resolve_api_key(spec: EndpointSpec) -> str | None:
+def resolve_api_key(spec: EndpointSpec, role: str = "coordinator") -> str | None:
     """The API key of `spec` (see `read_api_key`), or None when it names no key source."""
-    return read_api_key(spec)[0]
+    return read_api_key(spec, role)[0]
 
 
 class UpstreamClient:
@@ -258,10 +300,12 @@ class UpstreamClient:
         on_retry: Callable[[str], None] | None = None,
         on_attempt: Callable[[str, float], None] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        role: str = "coordinator",
     ) -> None:
         if attempts < 1:
             raise ValueError(f"attempts must be at least 1, got {attempts}")
         self.spec = spec
+        self.role = role  # what the endpoint is to us, for messages: "coordinator", "grader"
         self.breaker = breaker if breaker is not None else CircuitBreaker(5, 30.0)
         self.attempts = attempts
         self.backoff_seconds = backoff_seconds
@@ -270,7 +314,7 @@ class UpstreamClient:
         self._on_attempt = on_attempt
         self._api_key = api_key or None
         register_secret(self._api_key)
-        self._headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
+        self._headers = {"Accept": "application/json", "User-Agent": f"bcstack-{role}"}
         if self._api_key:
             self._headers["Authorization"] = f"Bearer {self._api_key}"
         self._timeout = httpx.Timeout(
@@ -281,12 +325,14 @@ class UpstreamClient:
         self._overall_seconds = spec.connect_timeout_seconds + spec.timeout_seconds
         self._jitter = wait_random_exponential(multiplier=backoff_seconds, max=backoff_max_seconds)
         self._last_failure: str | None = None
-        # Many episodes share one endpoint; the limits follow the official openai client's.
+        # Many episodes share one endpoint: up to 1,000 connections (the official openai client's
+        # cap), all kept alive. With the openai client's 100 kept alive, 512 concurrent episodes
+        # opened and closed a TCP connection for most calls (bench/gateway.py).
         self._http = httpx.AsyncClient(
             base_url=spec.base_url + "/",
             transport=transport,
             timeout=self._timeout,
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000),
         )
 
     def __repr__(self) -> str:
@@ -366,6 +412,7 @@ class UpstreamClient:
                 f"next trial in {self.breaker.retry_in():.1f} s{last}",
                 retryable=True,
                 attempts=0,
+                role=self.role,
             )
         trial = self.breaker.state == "half_open"
         verdict = False
@@ -454,6 +501,7 @@ class UpstreamClient:
                 f"model '{self.spec.model}' is not served here",
                 f"listed: {shown or 'none'}",
                 status=response.status_code,
+                role=self.role,
             )
 
     async def aclose(self) -> None:
@@ -479,14 +527,14 @@ class UpstreamClient:
                 detail = f"no connection within {timeout.connect:g} s"
             else:
                 detail = f"no answer within {timeout.read:g} s"
-            raise UpstreamError("timeout", self.spec.name, "timeout", detail) from None
+            raise UpstreamError("timeout", self.spec.name, "timeout", detail, role=self.role) from None
         except TimeoutError:
             detail = f"no complete answer within {overall or self._overall_seconds:g} s"
-            raise UpstreamError("timeout", self.spec.name, "timeout", detail) from None
+            raise UpstreamError("timeout", self.spec.name, "timeout", detail, role=self.role) from None
         except httpx.RequestError as exc:
             head, detail = _connection_reason(exc, self.spec.base_url)
             raise UpstreamError(
-                "connection", self.spec.name, head, self._short(detail) if detail else None
+                "connection", self.spec.name, head, self._short(detail) if detail else None, role=self.role
             ) from exc
 
     def _status_error(self, response: httpx.Response) -> UpstreamError:
@@ -511,10 +559,11 @@ class UpstreamClient:
             message or response.reason_phrase or None,
             status=status,
             retry_after=retry_after if kind in RETRIED_KINDS else None,
+            role=self.role,
         )
 
     def _bad(self, detail: str) -> UpstreamError:
-        return UpstreamError("bad_response", self.spec.name, "bad response", detail, status=None)
+        return UpstreamError("bad_response", self.spec.name, "bad response", detail, role=self.role)
 
     def _text(self, response: httpx.Response) -> str:
         return self._short(response.text) or "(empty)"
