@@ -14,6 +14,7 @@ from bcstack.toyworld.cli import app as toyworld_app
 from services.coordinator import cli as coordinator_cli
 from services.coordinator_llm import cli as coordinator_llm_cli
 from services.engine import cli as engine_cli
+from services.judge import cli as judge_cli
 from services.retrieval import cli as retrieval_cli
 from services.retrieval.loadtest_cli import app as loadtest_app
 from services.worker import cli as worker_cli
@@ -37,6 +38,7 @@ serve_app.command("worker")(worker_cli.serve)
 serve_app.command("engine")(engine_cli.serve)
 serve_app.command("coordinator")(coordinator_cli.serve)
 serve_app.command("coordinator-llm")(coordinator_llm_cli.serve)
+serve_app.command("judge")(judge_cli.serve)
 
 app.add_typer(toyworld_app, name="toyworld")
 app.add_typer(model_app, name="model")

@@ -67,6 +67,8 @@ class ScriptedLLM:
         self.model = model
         self.default = default or (lambda request: Reply())
         self.requests: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0  # most chat completions being answered at once
         self.base_url = ""
 
     @property
@@ -103,8 +105,13 @@ class ScriptedLLM:
                 }
             )
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-        if reply.delay:
-            await asyncio.sleep(reply.delay)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if reply.delay:
+                await asyncio.sleep(reply.delay)
+        finally:
+            self.in_flight -= 1
         out_headers = [(b"content-type", b"application/json")]
         out_headers += [(k.encode(), v.encode()) for k, v in reply.headers.items()]
         await send({"type": "http.response.start", "status": reply.status, "headers": out_headers})

@@ -35,6 +35,8 @@ SERVICES = {
     (judge_pb2, "JudgeService"): {
         "GradeAnswer": ("GradeAnswerRequest", "GradeAnswerResponse"),
         "GradeContribution": ("GradeContributionRequest", "GradeContributionResponse"),
+        "BatchGradeAnswer": ("BatchGradeAnswerRequest", "BatchGradeAnswerResponse"),
+        "BatchGradeContribution": ("BatchGradeContributionRequest", "BatchGradeContributionResponse"),
     },
     (coordinator_pb2, "CoordinatorService"): {
         "RunEpisode": ("RunCoordinatorEpisodeRequest", "RunCoordinatorEpisodeResponse")

@@ -131,6 +131,28 @@ def test_settings_errors_are_one_line_and_name_the_source(
         load_settings(KitSettings, batch_size="many")
 
 
+def test_a_misspelt_environment_variable_is_an_error_not_a_silent_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BCSTACK_KIT_TEST_BATCH_SIZ", "16")
+    with pytest.raises(SettingsError) as err:
+        load_settings(KitSettings)
+    message = str(err.value)
+    assert "BCSTACK_KIT_TEST_BATCH_SIZ is not a setting of kit-test" in message
+    assert "did you mean BCSTACK_KIT_TEST_BATCH_SIZE?" in message and "\n" not in message
+    monkeypatch.delenv("BCSTACK_KIT_TEST_BATCH_SIZ")
+    # another service's variables share a prefix with a shorter service name: not typos
+    from services.common.settings import unknown_env_settings
+    from services.coordinator.settings import CoordinatorSettings
+
+    environ = {"BCSTACK_COORDINATOR_LLM_FAIL_RATE": "0.5", "BCSTACK_COORDINATOR_WORKERS": "a:1"}
+    assert unknown_env_settings(CoordinatorSettings, environ) == []
+    assert unknown_env_settings(CoordinatorSettings, {"BCSTACK_COORDINATOR_WORKER": "a:1"}) == [
+        "environment variable BCSTACK_COORDINATOR_WORKER is not a setting of coordinator "
+        "(did you mean BCSTACK_COORDINATOR_WORKERS?)"
+    ]
+
+
 def test_admin_token_is_a_secret_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BCSTACK_ADMIN_TOKEN", TOKEN)
     settings = load_settings(KitSettings)

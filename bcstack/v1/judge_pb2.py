@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x63stack/v1/judge.proto\x12\nbcstack.v1\"P\n\x12GradeAnswerRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x16\n\x0e\x63orrect_answer\x18\x03 \x01(\t\"\xcf\x01\n\x13GradeAnswerResponse\x12\x14\n\x07\x63orrect\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x65xtracted_final_answer\x18\x02 \x01(\t\x12\x11\n\treasoning\x18\x03 \x01(\t\x12\x17\n\nconfidence\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x13\n\x0bparse_error\x18\x05 \x01(\x08\x12\x16\n\x0egrader_version\x18\x06 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x07 \x01(\x08\x42\n\n\x08_correctB\r\n\x0b_confidence\"u\n\x18GradeContributionRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0e\n\x06report\x18\x03 \x01(\t\x12\x14\n\x0c\x66inal_answer\x18\x04 \x01(\t\x12\x13\n\x0bgold_answer\x18\x05 \x01(\t\"\x89\x01\n\x19GradeContributionResponse\x12\r\n\x05score\x18\x01 \x01(\x01\x12\r\n\x05label\x18\x02 \x01(\t\x12\x11\n\treasoning\x18\x03 \x01(\t\x12\x13\n\x0bparse_error\x18\x04 \x01(\x08\x12\x16\n\x0egrader_version\x18\x05 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x06 \x01(\x08\x32\xc0\x01\n\x0cJudgeService\x12N\n\x0bGradeAnswer\x12\x1e.bcstack.v1.GradeAnswerRequest\x1a\x1f.bcstack.v1.GradeAnswerResponse\x12`\n\x11GradeContribution\x12$.bcstack.v1.GradeContributionRequest\x1a%.bcstack.v1.GradeContributionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x63stack/v1/judge.proto\x12\nbcstack.v1\"P\n\x12GradeAnswerRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x16\n\x0e\x63orrect_answer\x18\x03 \x01(\t\"\xdf\x01\n\x13GradeAnswerResponse\x12\x14\n\x07\x63orrect\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x65xtracted_final_answer\x18\x02 \x01(\t\x12\x11\n\treasoning\x18\x03 \x01(\t\x12\x17\n\nconfidence\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x13\n\x0bparse_error\x18\x05 \x01(\x08\x12\x16\n\x0egrader_version\x18\x06 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x07 \x01(\x08\x12\x0e\n\x06method\x18\x08 \x01(\tB\n\n\x08_correctB\r\n\x0b_confidence\"u\n\x18GradeContributionRequest\x12\x10\n\x08question\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0e\n\x06report\x18\x03 \x01(\t\x12\x14\n\x0c\x66inal_answer\x18\x04 \x01(\t\x12\x13\n\x0bgold_answer\x18\x05 \x01(\t\"\x99\x01\n\x19GradeContributionResponse\x12\r\n\x05score\x18\x01 \x01(\x01\x12\r\n\x05label\x18\x02 \x01(\t\x12\x11\n\treasoning\x18\x03 \x01(\t\x12\x13\n\x0bparse_error\x18\x04 \x01(\x08\x12\x16\n\x0egrader_version\x18\x05 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x06 \x01(\x08\x12\x0e\n\x06method\x18\x07 \x01(\t\"H\n\x17\x42\x61tchGradeAnswerRequest\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.bcstack.v1.GradeAnswerRequest\"J\n\x18\x42\x61tchGradeAnswerResponse\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.bcstack.v1.GradeAnswerResponse\"T\n\x1d\x42\x61tchGradeContributionRequest\x12\x33\n\x05items\x18\x01 \x03(\x0b\x32$.bcstack.v1.GradeContributionRequest\"V\n\x1e\x42\x61tchGradeContributionResponse\x12\x34\n\x05items\x18\x01 \x03(\x0b\x32%.bcstack.v1.GradeContributionResponse2\x90\x03\n\x0cJudgeService\x12N\n\x0bGradeAnswer\x12\x1e.bcstack.v1.GradeAnswerRequest\x1a\x1f.bcstack.v1.GradeAnswerResponse\x12`\n\x11GradeContribution\x12$.bcstack.v1.GradeContributionRequest\x1a%.bcstack.v1.GradeContributionResponse\x12]\n\x10\x42\x61tchGradeAnswer\x12#.bcstack.v1.BatchGradeAnswerRequest\x1a$.bcstack.v1.BatchGradeAnswerResponse\x12o\n\x16\x42\x61tchGradeContribution\x12).bcstack.v1.BatchGradeContributionRequest\x1a*.bcstack.v1.BatchGradeContributionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GRADEANSWERREQUEST']._serialized_start=38
   _globals['_GRADEANSWERREQUEST']._serialized_end=118
   _globals['_GRADEANSWERRESPONSE']._serialized_start=121
-  _globals['_GRADEANSWERRESPONSE']._serialized_end=328
-  _globals['_GRADECONTRIBUTIONREQUEST']._serialized_start=330
-  _globals['_GRADECONTRIBUTIONREQUEST']._serialized_end=447
-  _globals['_GRADECONTRIBUTIONRESPONSE']._serialized_start=450
-  _globals['_GRADECONTRIBUTIONRESPONSE']._serialized_end=587
-  _globals['_JUDGESERVICE']._serialized_start=590
-  _globals['_JUDGESERVICE']._serialized_end=782
+  _globals['_GRADEANSWERRESPONSE']._serialized_end=344
+  _globals['_GRADECONTRIBUTIONREQUEST']._serialized_start=346
+  _globals['_GRADECONTRIBUTIONREQUEST']._serialized_end=463
+  _globals['_GRADECONTRIBUTIONRESPONSE']._serialized_start=466
+  _globals['_GRADECONTRIBUTIONRESPONSE']._serialized_end=619
+  _globals['_BATCHGRADEANSWERREQUEST']._serialized_start=621
+  _globals['_BATCHGRADEANSWERREQUEST']._serialized_end=693
+  _globals['_BATCHGRADEANSWERRESPONSE']._serialized_start=695
+  _globals['_BATCHGRADEANSWERRESPONSE']._serialized_end=769
+  _globals['_BATCHGRADECONTRIBUTIONREQUEST']._serialized_start=771
+  _globals['_BATCHGRADECONTRIBUTIONREQUEST']._serialized_end=855
+  _globals['_BATCHGRADECONTRIBUTIONRESPONSE']._serialized_start=857
+  _globals['_BATCHGRADECONTRIBUTIONRESPONSE']._serialized_end=943
+  _globals['_JUDGESERVICE']._serialized_start=946
+  _globals['_JUDGESERVICE']._serialized_end=1346
 # @@protoc_insertion_point(module_scope)

@@ -46,6 +46,16 @@ class JudgeServiceStub:
                 request_serializer=bcstack_dot_v1_dot_judge__pb2.GradeContributionRequest.SerializeToString,
                 response_deserializer=bcstack_dot_v1_dot_judge__pb2.GradeContributionResponse.FromString,
                 _registered_method=True)
+        self.BatchGradeAnswer = channel.unary_unary(
+                '/bcstack.v1.JudgeService/BatchGradeAnswer',
+                request_serializer=bcstack_dot_v1_dot_judge__pb2.BatchGradeAnswerRequest.SerializeToString,
+                response_deserializer=bcstack_dot_v1_dot_judge__pb2.BatchGradeAnswerResponse.FromString,
+                _registered_method=True)
+        self.BatchGradeContribution = channel.unary_unary(
+                '/bcstack.v1.JudgeService/BatchGradeContribution',
+                request_serializer=bcstack_dot_v1_dot_judge__pb2.BatchGradeContributionRequest.SerializeToString,
+                response_deserializer=bcstack_dot_v1_dot_judge__pb2.BatchGradeContributionResponse.FromString,
+                _registered_method=True)
 
 
 class JudgeServiceServicer:
@@ -67,6 +77,21 @@ class JudgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BatchGradeAnswer(self, request, context):
+        """Many answers at once (graded concurrently, within the grader's limits); all or nothing:
+        UNAVAILABLE when any item could not be graded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchGradeContribution(self, request, context):
+        """Many contributions at once; all or nothing as BatchGradeAnswer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JudgeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +104,16 @@ def add_JudgeServiceServicer_to_server(servicer, server):
                     servicer.GradeContribution,
                     request_deserializer=bcstack_dot_v1_dot_judge__pb2.GradeContributionRequest.FromString,
                     response_serializer=bcstack_dot_v1_dot_judge__pb2.GradeContributionResponse.SerializeToString,
+            ),
+            'BatchGradeAnswer': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchGradeAnswer,
+                    request_deserializer=bcstack_dot_v1_dot_judge__pb2.BatchGradeAnswerRequest.FromString,
+                    response_serializer=bcstack_dot_v1_dot_judge__pb2.BatchGradeAnswerResponse.SerializeToString,
+            ),
+            'BatchGradeContribution': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchGradeContribution,
+                    request_deserializer=bcstack_dot_v1_dot_judge__pb2.BatchGradeContributionRequest.FromString,
+                    response_serializer=bcstack_dot_v1_dot_judge__pb2.BatchGradeContributionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,6 +172,60 @@ class JudgeService:
             '/bcstack.v1.JudgeService/GradeContribution',
             bcstack_dot_v1_dot_judge__pb2.GradeContributionRequest.SerializeToString,
             bcstack_dot_v1_dot_judge__pb2.GradeContributionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchGradeAnswer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bcstack.v1.JudgeService/BatchGradeAnswer',
+            bcstack_dot_v1_dot_judge__pb2.BatchGradeAnswerRequest.SerializeToString,
+            bcstack_dot_v1_dot_judge__pb2.BatchGradeAnswerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchGradeContribution(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bcstack.v1.JudgeService/BatchGradeContribution',
+            bcstack_dot_v1_dot_judge__pb2.BatchGradeContributionRequest.SerializeToString,
+            bcstack_dot_v1_dot_judge__pb2.BatchGradeContributionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -222,6 +222,9 @@ def load_settings(cls: type[S], config_file: str | os.PathLike[str] | None = Non
     file key, environment variable or option.
     """
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    unknown = unknown_env_settings(cls)
+    if unknown:
+        raise SettingsError(f"{cls.__name__}: " + "; ".join(unknown))
     yaml_values = read_config_file(config_file) if config_file is not None else {}
     token = _yaml_values.set(yaml_values)
     try:
@@ -230,6 +233,48 @@ def load_settings(cls: type[S], config_file: str | os.PathLike[str] | None = Non
         raise SettingsError(_explain(cls, exc, overrides, yaml_values, config_file)) from None
     finally:
         _yaml_values.reset(token)
+
+
+# Every service's env prefix; a longer one is not a typo of a shorter one
+# (BCSTACK_COORDINATOR_LLM_PORT is coordinator-llm's, not an unknown coordinator setting).
+SERVICE_NAMES = (
+    "retrieval",
+    "worker",
+    "engine",
+    "coordinator",
+    "coordinator-llm",
+    "judge",
+    "trainer",
+    "eval",
+    "up",
+)
+
+
+def unknown_env_settings(
+    cls: type[ServiceSettings], environ: typing.Mapping[str, str] | None = None
+) -> list[str]:
+    """One message per `BCSTACK_<SERVICE>_*` variable that names no setting of `cls`.
+
+    pydantic-settings reads only the variables of known fields, so a misspelt one would be
+    silently ignored and the default used: a deployment that looks configured and is not.
+    """
+    import difflib
+
+    environ = os.environ if environ is None else environ
+    prefix = env_prefix_for(cls.service_name)
+    others = [env_prefix_for(n) for n in SERVICE_NAMES if len(env_prefix_for(n)) > len(prefix)]
+    names = {name.upper() for name in cls.model_fields}
+    messages = []
+    for var in sorted(environ):
+        if not var.startswith(prefix) or any(var.startswith(o) for o in others):
+            continue
+        setting = var[len(prefix) :].split("__", 1)[0]  # NAME__SUB sets a nested field of NAME
+        if setting in names:
+            continue
+        close = difflib.get_close_matches(setting, sorted(names), n=1)
+        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        messages.append(f"environment variable {var} is not a setting of {cls.service_name}{hint}")
+    return messages
 
 
 def _explain(
