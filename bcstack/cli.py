@@ -6,9 +6,12 @@ Each command group lives beside the code it drives and is only imported here; he
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from bcstack import __version__
+from bcstack.evaluation.cli import app as eval_app
 from bcstack.modelkit.cli import app as model_app
 from bcstack.toyworld.cli import app as toyworld_app
 from services.coordinator import cli as coordinator_cli
@@ -46,6 +49,65 @@ app.command("index")(retrieval_cli.index)
 app.add_typer(serve_app, name="serve")
 app.command("search")(retrieval_cli.search)
 app.add_typer(loadtest_app, name="loadtest")
+app.add_typer(eval_app, name="eval")
+
+
+@app.command("up")
+def up(
+    worker: str = typer.Option(
+        "expert",
+        "--worker",
+        help="What the worker runs: expert (the scripted expert policy), tiny (the untrained tiny model) "
+        "or a model folder.",
+    ),
+    state: Path = typer.Option(
+        Path(".bcstack"), "--state", help="Where the stack keeps its files and stack.json."
+    ),
+    docs: int = typer.Option(2000, "--docs", help="Toy world size, when the world has to be built."),
+    seed: int = typer.Option(0, "--seed", help="Toy world and tiny model seed, when they have to be built."),
+    questions_per_tier: int = typer.Option(
+        50, "--questions-per-tier", help="Toy test questions per tier, when the world has to be built."
+    ),
+) -> None:
+    """Start the whole stack on embedded defaults as local processes; build what is missing first.
+
+    Retrieval, the engine, the worker, the scripted coordinator LLM, the coordinator gateway and
+    the judge (rule) start on loopback ports (the default ports when free); their URLs and pids go
+    to STATE/stack.json, their logs to STATE/logs/. Stop them with `bcstack down`.
+    """
+    from bcstack.stack import StackError
+    from bcstack.stack import up as stack_up
+    from services.common.cli import fail
+
+    try:
+        info = stack_up(state, worker=worker, docs=docs, seed=seed, questions_per_tier=questions_per_tier)
+    except StackError as e:
+        fail(str(e))
+    gateway = info["services"]["coordinator"]["http"]
+    typer.echo(
+        f"stack up ({worker} worker); state in {state}/stack.json, logs in {state}/logs, admin token in "
+        f"{info['admin_token_file']}\n"
+        f"  try: curl -s {gateway}/v1/episodes -H 'content-type: application/json' "
+        f'-d \'{{"question": "..."}}\'\n'
+        f"  metrics: {gateway}/metrics (every service has /metrics)\n"
+        f"  stop: bcstack down --state {state}"
+    )
+
+
+@app.command("down")
+def down(
+    state: Path = typer.Option(Path(".bcstack"), "--state", help="The state folder `bcstack up` used."),
+) -> None:
+    """Stop every process of the stack started by `bcstack up` (SIGTERM, then SIGKILL after 20 s)."""
+    from bcstack.stack import StackError
+    from bcstack.stack import down as stack_down
+    from services.common.cli import fail
+
+    try:
+        n = stack_down(state)
+    except StackError as e:
+        fail(str(e))
+    typer.echo(f"stack down: {n} service(s) stopped")
 
 
 def _version(value: bool) -> None:

@@ -56,7 +56,7 @@ class Turn(_message.Message):
     def __init__(self, prompt_start: _Optional[int] = ..., gen_start: _Optional[int] = ..., gen_end: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class ToolCallRecord(_message.Message):
-    __slots__ = ("turn", "name", "params", "outcome", "error")
+    __slots__ = ("turn", "name", "params", "outcome", "error", "docids")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,12 +69,14 @@ class ToolCallRecord(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DOCIDS_FIELD_NUMBER: _ClassVar[int]
     turn: int
     name: str
     params: _containers.ScalarMap[str, str]
     outcome: str
     error: str
-    def __init__(self, turn: _Optional[int] = ..., name: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    docids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, turn: _Optional[int] = ..., name: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ..., docids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("token_ids", "loss_mask", "rollout_logprobs", "turns", "tool_calls", "stop_reason", "tokens_used", "turns_used", "error")

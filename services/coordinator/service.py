@@ -128,7 +128,14 @@ def trajectory_record(response: worker_pb2.RunWorkerEpisodeResponse) -> dict[str
             for r in t.turns
         ],
         "tool_calls": [
-            {"turn": c.turn, "name": c.name, "params": dict(c.params), "outcome": c.outcome, "error": c.error}
+            {
+                "turn": c.turn,
+                "name": c.name,
+                "params": dict(c.params),
+                "outcome": c.outcome,
+                "error": c.error,
+                "docids": list(c.docids),
+            }
             for c in t.tool_calls
         ],
         "stop_reason": _STOP_NAMES.get(t.stop_reason, "error"),

@@ -93,6 +93,7 @@ class ToolCallRecord:
     params: dict[str, str]
     outcome: str  # ok | error | unknown_tool | missing_parameter | not_found
     error: str = ""
+    docids: list[str] = field(default_factory=list)  # documents the call showed (search hits, opened pages)
 
 
 @dataclass
@@ -335,22 +336,24 @@ class EpisodeRunner:
                         action.query, ps.search_k, snippet_words=ps.snippet_words
                     )
                     record.retrieval_s += time.perf_counter() - t0
-                    parts.append(
-                        p.render_search_results(
-                            action.query,
-                            pages,
-                            seen,
-                            action.topk,
-                            snippet_words=ps.snippet_words,
-                            seen_snippet_words=ps.seen_snippet_words,
-                        )
+                    shown = p.render_search_results(
+                        action.query,
+                        pages,
+                        seen,
+                        action.topk,
+                        snippet_words=ps.snippet_words,
+                        seen_snippet_words=ps.seen_snippet_words,
                     )
+                    parts.append(shown)
+                    # what the model saw, for evaluation run files (BrowseComp-Plus retrieved_docids)
+                    rec.docids = [hit.docid for hit in p.parse_observation(shown).hits]
                 elif isinstance(action, p.OpenPageAction):
                     t0 = time.perf_counter()
                     pages = await self.retrieval.open(action.docid, action.url)
                     record.retrieval_s += time.perf_counter() - t0
                     if pages:
                         parts.append(p.render_open_page(pages, page_words=ps.page_words))
+                        rec.docids = [page.docid for page in pages]
                     else:
                         rec.outcome = "not_found"
                         rec.error = p.page_not_found_error(action.docid, action.url)

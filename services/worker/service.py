@@ -307,7 +307,12 @@ def response_of(result: EpisodeResult, description: str) -> worker_pb2.RunWorker
             ],
             tool_calls=[
                 worker_pb2.ToolCallRecord(
-                    turn=c.turn, name=c.name, params=c.params, outcome=c.outcome, error=c.error
+                    turn=c.turn,
+                    name=c.name,
+                    params=c.params,
+                    outcome=c.outcome,
+                    error=c.error,
+                    docids=c.docids,
                 )
                 for c in t.tool_calls
             ],

@@ -1,0 +1,1 @@
+"""Evaluation harness: question loaders, runs, judgements and reports."""

@@ -1,0 +1,293 @@
+"""`bcstack eval run`: evaluation rounds through the coordinator gateway, graded by the judge proxy.
+
+For each question and round: one coordinator episode (`POST /v1/episodes` on the gateway, with a
+deterministic `episode_id`), its grade (`POST /v1/grade` on the judge: the final answer in the
+BrowseComp answer format against the gold answer), and three files, written in this order:
+`episodes/<round>/<query_id>.json` (the full episode record), `runs/<round>/<query_id>.json` (the
+BrowseComp-Plus run file) and one line of `judgements.jsonl` (appended, flushed and fsynced).
+
+Resume: a (question, round) with a judgement line is done and is never redone. One without is run
+again with the same episode id, so an episode that finished on the gateway before the runner was
+killed comes back from the gateway's records instead of being run twice. Episodes that end on a
+budget, a limit or an error are written and graded like any other: the denominator is always
+questions × rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bcstack.evaluation.loaders import EvalQuestion
+
+JUDGEMENTS = "judgements.jsonl"
+META = "eval.json"
+GRADE_ATTEMPTS = 5
+ID_SAFE = re.compile(r"[^A-Za-z0-9._:-]+")
+
+
+class EvalRunError(RuntimeError):
+    """A run that cannot go on (gateway or judge unreachable, an out dir of another run)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    question: EvalQuestion
+    round: int
+
+
+def response_text(answer: str, explanation: str, confidence: str) -> str:
+    """The final answer in the BrowseComp answer format the grader template expects."""
+    return f"Explanation: {explanation}\nExact Answer: {answer}\nConfidence: {confidence or '0%'}"
+
+
+def run_file(record: dict[str, Any], query_id: str) -> dict[str, Any]:
+    """A BrowseComp-Plus run file from an episode record."""
+    counts: Counter[str] = Counter()
+    retrieved: list[str] = []
+    for worker in record.get("workers", []):
+        trajectory = worker.get("trajectory") or {}
+        for call in trajectory.get("tool_calls", []):
+            counts[call["name"]] += 1
+            if call["name"] == "search":
+                retrieved += [d for d in call.get("docids", []) if d not in retrieved]
+    counts["branch"] = len(record.get("workers", []))
+    output = response_text(
+        record.get("answer", ""), record.get("explanation", ""), record.get("confidence", "")
+    )
+    return {
+        "query_id": query_id,
+        "tool_call_counts": dict(counts),
+        "status": record.get("status", "error"),
+        "retrieved_docids": retrieved,
+        "result": [{"type": "output_text", "output": output}],
+        "episode_id": record.get("episode_id"),
+        "endpoint": record.get("endpoint"),
+        "weight_versions": record.get("weight_versions", []),
+    }
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(value, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def run_file_name(query_id: str) -> str:
+    safe = ID_SAFE.sub("_", query_id)
+    if safe != query_id:  # keep distinct ids distinct after sanitizing
+        safe += "-" + hashlib.sha256(query_id.encode()).hexdigest()[:8]
+    return safe
+
+
+def done_pairs(out: Path) -> set[tuple[str, int]]:
+    """(query_id, round) pairs with a judgement line; a torn last line (a kill mid-write) is ignored."""
+    path = out / JUDGEMENTS
+    done: set[tuple[str, int]] = set()
+    if not path.is_file():
+        return done
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            done.add((str(row["query_id"]), int(row["round"])))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return done
+
+
+def _repair_judgements(out: Path) -> None:
+    """Drop a torn last line so the next append starts on a line of its own."""
+    path = out / JUDGEMENTS
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+class EvalRunner:
+    def __init__(
+        self,
+        out: Path,
+        gateway: str,
+        judge: str,
+        *,
+        concurrency: int = 8,
+        episode_timeout: float = 3600.0,
+        overrides: dict[str, Any] | None = None,
+        worker_budget: dict[str, Any] | None = None,
+    ) -> None:
+        self.out = out
+        self.gateway = gateway.rstrip("/")
+        self.judge = judge.rstrip("/")
+        self.concurrency = concurrency
+        self.episode_timeout = episode_timeout
+        self.overrides = overrides or {}
+        self.worker_budget = worker_budget or {}
+        self._lock = asyncio.Lock()
+
+    def prepare(self, questions: list[EvalQuestion], rounds: int) -> tuple[str, list[Task]]:
+        """The run id (kept across resumes) and the tasks not done yet."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        meta_path = self.out / META
+        ids = [q.query_id for q in questions]
+        if meta_path.is_file():
+            meta = json.loads(meta_path.read_text())
+            if meta.get("query_ids") != ids:
+                raise EvalRunError(
+                    f"{self.out} holds a run over other questions ({len(meta.get('query_ids', []))}); "
+                    "use another --out"
+                )
+            rounds = max(rounds, int(meta.get("rounds", rounds)))
+        else:
+            meta = {"run_id": uuid.uuid4().hex[:12], "query_ids": ids}
+        meta["rounds"] = rounds
+        meta.update(
+            gateway=self.gateway, judge=self.judge, overrides=self.overrides, worker_budget=self.worker_budget
+        )
+        _write_json(meta_path, meta)
+        _write_json_lines(
+            self.out / "questions.jsonl",
+            [
+                {
+                    "query_id": q.query_id,
+                    "query": q.query,
+                    "answer": q.answer,
+                    "tier": q.tier,
+                    "evidence_docs": list(q.evidence_docs),
+                    "gold_docs": list(q.gold_docs),
+                }
+                for q in questions
+            ],
+        )
+        _repair_judgements(self.out)
+        done = done_pairs(self.out)
+        tasks = [Task(q, r) for r in range(rounds) for q in questions if (q.query_id, r) not in done]
+        return meta["run_id"], tasks
+
+    async def run(
+        self, run_id: str, tasks: list[Task], on_done: Callable[[dict[str, Any]], None] | None = None
+    ) -> list[dict[str, Any]]:
+        limits = httpx.Limits(max_connections=self.concurrency * 2 + 4)
+        timeout = httpx.Timeout(self.episode_timeout, connect=10.0)
+        queue: asyncio.Queue[Task] = asyncio.Queue()
+        for task in tasks:
+            queue.put_nowait(task)
+        results: list[dict[str, Any]] = []
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+            async def worker() -> None:
+                while not queue.empty():
+                    task = queue.get_nowait()
+                    row = await self._one(client, run_id, task)
+                    results.append(row)
+                    if on_done is not None:
+                        on_done(row)
+
+            await asyncio.gather(*(worker() for _ in range(max(1, self.concurrency))))
+        return results
+
+    async def _one(self, client: httpx.AsyncClient, run_id: str, task: Task) -> dict[str, Any]:
+        q, rnd = task.question, task.round
+        episode_id = f"eval-{run_id}-{run_file_name(q.query_id)}-r{rnd}"[:128]
+        body: dict[str, Any] = {
+            "question": q.query,
+            "question_id": q.query_id,
+            "gold_answer": q.answer,
+            "episode_id": episode_id,
+        }
+        if self.overrides:
+            body["overrides"] = self.overrides
+        if self.worker_budget:
+            body["worker_budget"] = self.worker_budget
+        record = await self._episode(client, body)
+        response = response_text(
+            record.get("answer", ""), record.get("explanation", ""), record.get("confidence", "")
+        )
+        grade = await self._grade(client, q.query, response, q.answer)
+        name = run_file_name(q.query_id)
+        _write_json(self.out / "episodes" / str(rnd) / f"{name}.json", record)
+        _write_json(self.out / "runs" / str(rnd) / f"{name}.json", run_file(record, q.query_id))
+        row = {
+            "query_id": q.query_id,
+            "round": rnd,
+            "tier": q.tier,
+            "correct": grade.get("correct"),
+            "confidence": grade.get("confidence"),
+            "status": record.get("status", "error"),
+            "episode_id": record.get("episode_id", episode_id),
+            "grader_version": grade.get("grader_version"),
+            "grading_error": grade.get("error"),
+            "seconds": record.get("seconds"),
+        }
+        async with self._lock:  # whole lines, in completion order, durable before the next
+            with (self.out / JUDGEMENTS).open("a") as f:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        return row
+
+    async def _episode(self, client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+        """The episode's full record; a gateway that is full (429) or briefly away is waited for."""
+        for attempt in range(30):
+            try:
+                r = await client.post(f"{self.gateway}/v1/episodes", json=body)
+            except httpx.TransportError as e:
+                if attempt >= 5:
+                    raise EvalRunError(f"the gateway {self.gateway} is unreachable: {e}") from None
+                await asyncio.sleep(min(2**attempt, 10))
+                continue
+            if r.status_code in (429, 503):
+                await asyncio.sleep(float(r.headers.get("retry-after", "1") or 1))
+                continue
+            if r.status_code != 200:
+                raise EvalRunError(f"the gateway answered {r.status_code}: {r.text[:300]}")
+            episode_id = r.json()["episode_id"]
+            stored = await client.get(f"{self.gateway}/v1/episodes/{episode_id}")
+            if stored.status_code != 200:
+                raise EvalRunError(
+                    f"the gateway has no record of episode {episode_id} ({stored.status_code})"
+                )
+            return stored.json()
+        raise EvalRunError(f"the gateway {self.gateway} stayed full for 30 tries")
+
+    async def _grade(
+        self, client: httpx.AsyncClient, question: str, response: str, gold: str
+    ) -> dict[str, Any]:
+        """The judge's verdict; after GRADE_ATTEMPTS failures an ungraded verdict (counted as incorrect)."""
+        last = ""
+        for attempt in range(GRADE_ATTEMPTS):
+            try:
+                r = await client.post(
+                    f"{self.judge}/v1/grade",
+                    json={"question": question, "response": response, "correct_answer": gold},
+                )
+                if r.status_code == 200:
+                    return r.json()
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+                if r.status_code not in (429, 503):
+                    break
+            except httpx.TransportError as e:
+                last = str(e) or type(e).__name__
+            await asyncio.sleep(min(2**attempt, 10))
+        return {"correct": None, "confidence": None, "error": f"the judge could not grade: {last}"}
+
+
+def _write_json_lines(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
