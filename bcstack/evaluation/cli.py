@@ -65,10 +65,8 @@ def run(
     Killed and run again with the same --out, it resumes: finished (question, round) pairs are not
     redone. Budget-exhausted and failed episodes are recorded and count as incorrect.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from bcstack.evaluation.loaders import LoaderError, load_questions
-    from bcstack.evaluation.runner import EvalRunError, EvalRunner
+    from bcstack.evaluation.runner import EvalRunError
 
     if gateway is None or judge is None:
         g, j = _urls_from_state(state)
@@ -83,28 +81,61 @@ def run(
         fail(f"{questions}: no questions")
     overrides = {k: v for k, v in {"max_turns": max_turns, "max_branches": max_branches}.items() if v}
     budget = {k: v for k, v in {"max_tokens": worker_max_tokens, "max_turns": worker_max_turns}.items() if v}
+    try:
+        run_with_progress(
+            items,
+            out,
+            gateway,
+            judge,
+            concurrency=concurrency,
+            rounds=rounds,
+            overrides=overrides,
+            budget=budget,
+        )
+    except EvalRunError as e:
+        fail(f"{e} (finished questions are saved; run the same command again to resume)")
+    typer.echo(f"done: {out}/judgements.jsonl; the table: bcstack eval report {out}")
+
+
+def run_with_progress(
+    items: list,
+    out: Path,
+    gateway: str,
+    judge: str,
+    *,
+    concurrency: int = 8,
+    rounds: int = 1,
+    overrides: dict | None = None,
+    budget: dict | None = None,
+    label: str = "eval",
+) -> dict[str, int]:
+    """Run (or resume) an evaluation with a progress bar showing the accuracy so far; the tally.
+
+    Raises EvalRunError when the gateway or the judge cannot be used.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from bcstack.evaluation.runner import EvalRunner
+
     runner = EvalRunner(
         out, gateway, judge, concurrency=concurrency, overrides=overrides, worker_budget=budget
     )
-    try:
-        run_id, tasks = runner.prepare(items, rounds)
-    except EvalRunError as e:
-        fail(str(e))
+    run_id, tasks = runner.prepare(items, rounds)
     total = len(items) * rounds
     done_before = total - len(tasks)
-    tally = {"correct": 0, "graded": 0}
+    tally = {"correct": 0, "graded": 0, "total": total}
     typer.echo(
-        f"eval: {len(items)} question(s) x {rounds} round(s) -> {out} (gateway {gateway}, judge {judge})"
+        f"{label}: {len(items)} question(s) x {rounds} round(s) -> {out} (gateway {gateway}, judge {judge})"
         + (f"; resuming, {done_before} already done" if done_before else "")
     )
     with Progress(
-        TextColumn("[bold]eval"),
+        TextColumn(f"[bold]{label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[accuracy]}"),
         TimeElapsedColumn(),
     ) as progress:
-        bar = progress.add_task("eval", total=total, completed=done_before, accuracy="")
+        bar = progress.add_task(label, total=total, completed=done_before, accuracy="")
 
         def on_done(row: dict) -> None:
             tally["graded"] += 1
@@ -113,11 +144,8 @@ def run(
             acc = f"accuracy so far {tally['correct']}/{tally['graded']} ({share:.1f}%)"
             progress.update(bar, advance=1, accuracy=acc)
 
-        try:
-            asyncio.run(runner.run(run_id, tasks, on_done))
-        except EvalRunError as e:
-            fail(f"{e} (finished questions are saved; run the same command again to resume)")
-    typer.echo(f"done: {out}/judgements.jsonl; the table: bcstack eval report {out}")
+        asyncio.run(runner.run(run_id, tasks, on_done))
+    return tally
 
 
 @app.command("report")
