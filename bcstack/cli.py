@@ -21,6 +21,7 @@ from services.judge import cli as judge_cli
 from services.retrieval import cli as retrieval_cli
 from services.retrieval.loadtest_cli import app as loadtest_app
 from services.worker import cli as worker_cli
+from trainer import cli as trainer_cli
 
 app = typer.Typer(
     name="bcstack",
@@ -50,6 +51,12 @@ app.add_typer(serve_app, name="serve")
 app.command("search")(retrieval_cli.search)
 app.add_typer(loadtest_app, name="loadtest")
 app.add_typer(eval_app, name="eval")
+train_app = typer.Typer(help="The trainer (more commands come with the GRPO loop).", no_args_is_help=True)
+train_app.command("export")(trainer_cli.export)
+app.add_typer(train_app, name="train")
+checkpoint_app = typer.Typer(help="Serving-format checkpoints.", no_args_is_help=True)
+checkpoint_app.command("verify")(trainer_cli.verify)
+app.add_typer(checkpoint_app, name="checkpoint")
 
 
 @app.command("up")

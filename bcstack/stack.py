@@ -114,11 +114,20 @@ def running_pids(info: dict[str, Any]) -> dict[str, int]:
 
 
 def ensure_assets(
-    state: Path, *, docs: int, seed: int, questions_per_tier: int, say: Callable[[str], None]
+    state: Path,
+    *,
+    docs: int,
+    seed: int,
+    questions_per_tier: int,
+    say: Callable[[str], None],
+    train_questions: tuple[int, int] = (100, 50),
 ) -> dict[str, Path]:
-    """The toy world, the tiny model and the index under `state`, built when missing."""
+    """The toy world, the tiny model and the index under `state`, built when missing.
+
+    `train_questions` is the toy train split (medium, hard) made with a new world.
+    """
     from bcstack.modelkit.build import build_tiny_kit
-    from bcstack.toyworld.generator import generate_world, write_world
+    from bcstack.toyworld.generator import ToyWorldError, generate_world, write_world
 
     world, tiny, index = state / "world", state / "tiny", state / "index"
     if not (world / "corpus.jsonl").is_file():
@@ -126,7 +135,14 @@ def ensure_assets(
             f"building the toy world ({docs:,} documents, {questions_per_tier} test questions per tier) "
             f"in {world}"
         )
-        write_world(generate_world(docs, seed, questions_per_tier=questions_per_tier), world)
+        medium, hard = train_questions
+        try:
+            made = generate_world(
+                docs, seed, questions_per_tier=questions_per_tier, train_medium=medium, train_hard=hard
+            )
+        except ToyWorldError as e:
+            raise StackError(f"cannot build the toy world: {e}") from None
+        write_world(made, world)
     if not (tiny / "config.json").is_file():
         say(f"building the tiny Qwen3 model in {tiny}")
         build_tiny_kit(tiny, corpus_path=world / "corpus.jsonl", seed=seed)
@@ -225,6 +241,7 @@ def up(
     docs: int = 2000,
     seed: int = 0,
     questions_per_tier: int = 50,
+    train_questions: tuple[int, int] = (100, 50),
     timeout: float = 300.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -240,7 +257,14 @@ def up(
                 f"a stack is already running from {state}: {listed}; run `bcstack down --state {state}`"
             )
         (state / STATE_FILE).unlink()
-    assets = ensure_assets(state, docs=docs, seed=seed, questions_per_tier=questions_per_tier, say=say)
+    assets = ensure_assets(
+        state,
+        docs=docs,
+        seed=seed,
+        questions_per_tier=questions_per_tier,
+        say=say,
+        train_questions=train_questions,
+    )
     token_path = state / TOKEN_FILE
     if not token_path.is_file():
         token_path.write_text(secrets.token_urlsafe(24) + "\n")

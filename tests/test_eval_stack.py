@@ -39,7 +39,9 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     state = tmp_path_factory.mktemp("stack")
-    info = up(state, worker="expert", docs=500, questions_per_tier=5, say=lambda s: None)
+    info = up(
+        state, worker="expert", docs=500, questions_per_tier=5, train_questions=(0, 0), say=lambda s: None
+    )
     try:
         yield {"state": state, "info": info, "questions": state / "world" / "questions.jsonl"}
     finally:

@@ -1,0 +1,294 @@
+"""Rollout data for the trainer: episode records (DESIGN.md §4) turned into validated samples.
+
+The coordinator gateway stores one record per episode (`services.coordinator.service.episode_record`),
+each with its workers' trajectories: token ids, a loss mask (1 on tokens the worker model generated),
+and one rollout log-prob per generated token. The trainer learns from worker trajectories only, so a
+`Sample` is one worker trajectory plus the ids and rewards that place it in its GRPO group.
+
+    samples, counts = load_samples(Path("coordinator-records.sqlite"), rewards={"e1": 1.0})
+    groups = group_samples(samples)
+
+A trajectory that cannot be trained on correctly (lengths that disagree, a log-prob that is not a
+log-probability, ...) is rejected with a `SampleError` naming the episode, the worker and the fault,
+never silently repaired: a shifted mask would train on the wrong tokens without any visible error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MIXED_VERSION_POLICIES = ("keep", "drop", "error")
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class SampleError(ValueError):
+    """A worker trajectory that must not be trained on; the message names episode, worker and fault."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One worker trajectory, ready to pack.
+
+    `rollout_logprobs` is aligned to `token_ids` (the record stores one value per generated token
+    only): position t holds the engine's log-prob of token t where `loss_mask[t] == 1`, and 0.0 where
+    `loss_mask[t] == 0`. Aligned lists pack and slice together with the tokens; the 0.0 fillers are
+    never read because every use is multiplied by the loss mask.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    group_id: str
+    episode_id: str
+    worker_episode_id: str
+    question_id: str
+    episode_reward: float | None
+    contribution: float | None
+    # Distinct engine weight versions of the trajectory's turns, in order of first use; more than one
+    # means the engine was hot-reloaded mid-episode.
+    weight_versions: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def mixed_versions(self) -> bool:
+        return len(self.weight_versions) > 1
+
+
+# --- one record ------------------------------------------------------------------------------------
+
+
+def _check_trajectory(trajectory: Mapping[str, Any]) -> tuple[list[int], list[int], list[float]]:
+    """The trajectory's token ids, loss mask and aligned log-probs; raises ValueError saying what is wrong."""
+    token_ids = list(trajectory.get("token_ids") or [])
+    loss_mask = list(trajectory.get("loss_mask") or [])
+    logprobs = list(trajectory.get("rollout_logprobs") or [])
+    if not token_ids:
+        raise ValueError("empty trajectory (no token ids)")
+    if len(loss_mask) != len(token_ids):
+        raise ValueError(f"loss_mask has {len(loss_mask)} entries for {len(token_ids)} token ids")
+    bad_ids = [i for i, t in enumerate(token_ids) if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+    if bad_ids:
+        raise ValueError(f"token id at position {bad_ids[0]} is {token_ids[bad_ids[0]]!r}, not a token id")
+    bad_mask = [
+        i for i, m in enumerate(loss_mask) if isinstance(m, bool) or not isinstance(m, int) or m not in (0, 1)
+    ]
+    if bad_mask:
+        raise ValueError(
+            f"loss_mask value at position {bad_mask[0]} is {loss_mask[bad_mask[0]]!r}, not 0 or 1"
+        )
+    generated = sum(loss_mask)
+    if len(logprobs) != generated:
+        raise ValueError(f"{len(logprobs)} rollout_logprobs for {generated} loss_mask==1 tokens")
+    for i, lp in enumerate(logprobs):
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 0:
+            raise ValueError(f"rollout_logprobs[{i}] is {lp!r}, not a finite log-probability <= 0")
+    if loss_mask[0] == 1:
+        # A token with nothing before it has no next-token log-prob to train or compare.
+        raise ValueError(
+            "the first token is marked as generated (loss_mask[0] == 1); a trajectory starts with its prompt"
+        )
+    values = iter(float(lp) for lp in logprobs)
+    aligned = [next(values) if m else 0.0 for m in loss_mask]
+    return token_ids, loss_mask, aligned
+
+
+def _weight_versions(trajectory: Mapping[str, Any]) -> tuple[str, ...]:
+    versions = (turn.get("weight_version") for turn in trajectory.get("turns") or [])
+    return tuple(dict.fromkeys(v for v in versions if v))
+
+
+@dataclass
+class _RecordResult:
+    samples: list[Sample]
+    errors: list[SampleError]
+    trajectories: int = 0
+    skipped_failed: int = 0
+    dropped_mixed: int = 0
+
+
+def _read_record(
+    record: Mapping[str, Any],
+    reward: float | None,
+    contributions: Mapping[str, float] | None,
+    mixed_versions: str,
+) -> _RecordResult:
+    if mixed_versions not in MIXED_VERSION_POLICIES:
+        raise ValueError(
+            f"mixed_versions must be one of {', '.join(MIXED_VERSION_POLICIES)}, got {mixed_versions!r}"
+        )
+    episode_id = str(record.get("episode_id") or "")
+    question_id = str(record.get("question_id") or "")
+    group_id = str(record.get("group_id") or question_id)
+    if reward is None and record.get("reward") is not None:
+        reward = float(record["reward"])
+    result = _RecordResult(samples=[], errors=[])
+    for index, worker in enumerate(record.get("workers") or []):
+        trajectory = worker.get("trajectory")
+        if trajectory is None:  # a failed branch: no worker response came back
+            result.skipped_failed += 1
+            continue
+        result.trajectories += 1
+        worker_id = str(worker.get("episode_id") or f"#{index}")
+        where = f"episode {episode_id or '?'}, worker {worker_id}"
+        try:
+            token_ids, loss_mask, logprobs = _check_trajectory(trajectory)
+        except ValueError as exc:
+            result.errors.append(SampleError(f"{where}: {exc}"))
+            continue
+        versions = _weight_versions(trajectory)
+        if len(versions) > 1 and mixed_versions != "keep":
+            if mixed_versions == "drop":
+                result.dropped_mixed += 1
+            else:
+                result.errors.append(
+                    SampleError(f"{where}: turns ran on several weight versions ({', '.join(versions)})")
+                )
+            continue
+        if contributions is not None and worker_id in contributions:
+            contribution: float | None = float(contributions[worker_id])
+        elif worker.get("contribution") is not None:
+            contribution = float(worker["contribution"])
+        else:
+            contribution = None
+        result.samples.append(
+            Sample(
+                token_ids=token_ids,
+                loss_mask=loss_mask,
+                rollout_logprobs=logprobs,
+                group_id=group_id,
+                episode_id=episode_id,
+                worker_episode_id=worker_id,
+                question_id=question_id,
+                episode_reward=reward,
+                contribution=contribution,
+                weight_versions=versions,
+            )
+        )
+    return result
+
+
+def samples_from_record(
+    record: Mapping[str, Any],
+    *,
+    reward: float | None = None,
+    contributions: Mapping[str, float] | None = None,
+    mixed_versions: str = "keep",
+) -> list[Sample]:
+    """One Sample per worker trajectory of an episode record, in the record's worker order.
+
+    Workers whose trajectory is None (failed branches) are skipped. The group is the record's
+    `group_id`, or its `question_id` when it has none. The episode reward is `reward`, else the
+    record's `reward`, else None; a worker's contribution is `contributions[worker episode id]`,
+    else the worker entry's `contribution`, else None.
+
+    `mixed_versions` decides about trajectories whose turns ran on more than one weight version (a
+    hot reload mid-episode): "keep" them, "drop" them, or "error" (reject them like invalid data).
+    Raises SampleError for the first trajectory that is rejected.
+    """
+    result = _read_record(record, reward, contributions, mixed_versions)
+    if result.errors:
+        raise result.errors[0]
+    return result.samples
+
+
+# --- files of records --------------------------------------------------------------------------------
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON episode record ({exc})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            yield f"{path}:{number}", record
+
+
+def _sqlite_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    from services.coordinator.records import RecordStore
+
+    with RecordStore(path) as store:
+        # list() is newest first; the trainer reads in the order episodes finished.
+        summaries = store.list(limit=store.count())
+        for summary in reversed(summaries):
+            record = store.get(summary["episode_id"])
+            if record is not None:
+                yield f"{path} episode {summary['episode_id']}", record
+
+
+def _read_records(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no episode records at {path}")
+    with path.open("rb") as handle:
+        magic = handle.read(len(_SQLITE_MAGIC))
+    return _sqlite_records(path) if magic == _SQLITE_MAGIC else _jsonl_records(path)
+
+
+def load_samples(
+    path: Path,
+    *,
+    rewards: Mapping[str, float] | None = None,
+    contributions: Mapping[str, float] | None = None,
+    mixed_versions: str = "keep",
+    strict: bool = True,
+    on_reject: Callable[[SampleError], None] | None = None,
+) -> tuple[list[Sample], dict[str, int]]:
+    """Samples from a file of episode records, and counts of what happened to every trajectory.
+
+    `path` is a JSONL file (one episode record per line) or the coordinator's SQLite record file
+    (`services.coordinator.records.RecordStore`), told apart by the SQLite header. `rewards` maps
+    episode id to episode reward (records without an entry use their own `reward`, or None);
+    `contributions` maps worker episode id to contribution score.
+
+    With `strict` (the default) the first rejected trajectory raises its SampleError. Without it,
+    rejected trajectories are left out and reported: each SampleError is logged as a warning and
+    passed to `on_reject`; the rest of that record's trajectories are still used.
+
+    Counts: `records`; `trajectories` (worker trajectories present); `skipped_failed` (workers with
+    no trajectory); `dropped_mixed`; `rejected`; `samples`. Always
+    trajectories == samples + dropped_mixed + rejected.
+    """
+    path = Path(path)
+    counts = dict.fromkeys(
+        ("records", "trajectories", "skipped_failed", "dropped_mixed", "rejected", "samples"), 0
+    )
+    samples: list[Sample] = []
+    for origin, record in _read_records(path):
+        episode_reward = rewards.get(str(record.get("episode_id"))) if rewards is not None else None
+        result = _read_record(record, episode_reward, contributions, mixed_versions)
+        if result.errors and strict:
+            raise SampleError(f"{origin}: {result.errors[0]}")
+        counts["records"] += 1
+        counts["trajectories"] += result.trajectories
+        counts["skipped_failed"] += result.skipped_failed
+        counts["dropped_mixed"] += result.dropped_mixed
+        counts["rejected"] += len(result.errors)
+        counts["samples"] += len(result.samples)
+        samples.extend(result.samples)
+        for error in result.errors:
+            logger.warning("rejected trajectory (%s): %s", origin, error)
+            if on_reject is not None:
+                on_reject(error)
+    return samples, counts
+
+
+def group_samples(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
+    """Samples by group id: groups in order of first appearance, samples in input order."""
+    groups: dict[str, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault(sample.group_id, []).append(sample)
+    return groups
