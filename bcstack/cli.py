@@ -51,7 +51,10 @@ app.add_typer(serve_app, name="serve")
 app.command("search")(retrieval_cli.search)
 app.add_typer(loadtest_app, name="loadtest")
 app.add_typer(eval_app, name="eval")
-train_app = typer.Typer(help="The trainer (more commands come with the GRPO loop).", no_args_is_help=True)
+train_app = typer.Typer(
+    help="The trainer: GRPO steps from episode records, serving-format export.", no_args_is_help=True
+)
+train_app.command("grpo")(trainer_cli.grpo)
 train_app.command("export")(trainer_cli.export)
 app.add_typer(train_app, name="train")
 checkpoint_app = typer.Typer(help="Serving-format checkpoints.", no_args_is_help=True)

@@ -40,6 +40,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "config": {"logLevel": "DEBUG", "extraEnv": {"HF_HUB_OFFLINE": "1"}},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
         **{component: {"enabled": True} for component in COMPONENTS},
+        "trainer": {"enabled": True, "records": {"existingClaim": "episode-records"}},
     },
     "existing-secret": {"adminToken": {"existingSecret": "bc-admin", "key": "token"}},
     "no-service-account": {"serviceAccount": {"create": False}},

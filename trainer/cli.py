@@ -1,12 +1,13 @@
-"""Trainer checkpoint commands: export to the serving format, verify a serving checkpoint.
+"""Trainer commands: a GRPO step from episode records, export to the serving format, verify.
 
-Mounted by bcstack/cli.py (`bcstack train export`, `bcstack checkpoint verify`). torch and
+Mounted by bcstack/cli.py (`bcstack train grpo|export`, `bcstack checkpoint verify`). torch and
 transformers are imported inside the commands so that `bcstack --help` stays instant.
 """
 
 from __future__ import annotations
 
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,73 @@ def verify(
             status.stop()
             fail(str(error))
     _print_summary(f"Verified in {time.perf_counter() - started:.1f} s", summary)
+
+
+class GraderChoice(StrEnum):
+    rule = "rule"
+
+
+@app.command("grpo")
+def grpo(
+    records: Path = typer.Option(
+        ...,
+        "--records",
+        help="Episode records: the coordinator gateway's SQLite record file or a JSONL file of records.",
+    ),
+    model: Path = typer.Option(
+        ..., "--model", help="Policy to train: an HF model folder (its tokenizer goes to the export)."
+    ),
+    ref: Path = typer.Option(..., "--ref", help="Frozen KL reference (the SFT model), an HF model folder."),
+    out: Path = typer.Option(
+        ..., "--out", help="Run folder: metrics.jsonl, checkpoints/ and the serving export serving/."
+    ),
+    lr: float = typer.Option(1e-6, "--lr", min=0.0, help="AdamW learning rate (seed 000: 1e-6)."),
+    micro_batch_tokens: int = typer.Option(
+        24_576,
+        "--micro-batch-tokens",
+        min=1,
+        help="Token budget of one packed micro-batch; the longest trajectory must fit.",
+    ),
+    grader: GraderChoice = typer.Option(
+        GraderChoice.rule,
+        "--grader",
+        help="How rewards and contributions are graded (rule: the embedded judge).",
+    ),
+    steps: int = typer.Option(
+        1, "--steps", min=1, help="Train until the policy has taken this many updates."
+    ),
+    groups_per_step: int = typer.Option(
+        8, "--groups-per-step", min=1, help="Question groups per update (seed 000: 8 prompts x 8 episodes)."
+    ),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
+) -> None:
+    """One GRPO update per rollout batch of episode records (hierarchical credit, TIS, k3 KL).
+
+    Grades the records, computes balanced worker-judge credit per question group, updates the policy
+    with AdamW, logs each step to stdout and OUT/metrics.jsonl, checkpoints to OUT/checkpoints and
+    exports the final policy to OUT/serving. Bad input is one `error:` line (exit 2).
+    """
+    from trainer.checkpoint import CheckpointError
+    from trainer.data import SampleError
+    from trainer.export import ExportError, VerifyError
+    from trainer.grpo import GRPOError, rule_grades, train
+
+    graders = {GraderChoice.rule: rule_grades}
+    try:
+        train(
+            records,
+            model,
+            ref,
+            out,
+            lr=lr,
+            micro_batch_tokens=micro_batch_tokens,
+            grader=graders[grader],
+            steps=steps,
+            resume=resume,
+            groups_per_step=groups_per_step,
+            say=typer.echo,
+        )
+    except (GRPOError, SampleError, CheckpointError, ExportError, VerifyError, OSError) as error:
+        fail(" ".join(str(error).split()))
+    except ValueError as error:  # a record that is not JSON, a trajectory over the micro-batch budget
+        fail(" ".join(str(error).split()))

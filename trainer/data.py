@@ -230,7 +230,7 @@ def _sqlite_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 yield f"{path} episode {summary['episode_id']}", record
 
 
-def _read_records(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
+def read_records(path: Path) -> Iterable[tuple[str, dict[str, Any]]]:
     if not path.is_file():
         raise FileNotFoundError(f"no episode records at {path}")
     with path.open("rb") as handle:
@@ -267,7 +267,7 @@ def load_samples(
         ("records", "trajectories", "skipped_failed", "dropped_mixed", "rejected", "samples"), 0
     )
     samples: list[Sample] = []
-    for origin, record in _read_records(path):
+    for origin, record in read_records(path):
         episode_reward = rewards.get(str(record.get("episode_id"))) if rewards is not None else None
         result = _read_record(record, episode_reward, contributions, mixed_versions)
         if result.errors and strict:

@@ -1,0 +1,241 @@
+"""`bcstack train grpo` (trainer/grpo.py) on records of real episodes, and the update on hand-made samples.
+
+The module fixture starts the local stack with the untrained tiny worker and runs 4 episodes in 2
+groups. Those episodes are all wrong (every reward and contribution is 0, so every advantage is 0
+and the only gradient is the KL term's, which is 0 while policy == reference): the command is
+checked for its bookkeeping there, and the learning signal is checked on samples with hand-set
+rewards (and through the grader hook on the stack's records).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from bcstack.stack import down, up
+from trainer.cli import app
+from trainer.data import Sample
+from trainer.export import verify_checkpoint
+from trainer.grpo import (
+    EpisodeGrades,
+    GradedEpisode,
+    grpo_step,
+    load_policy,
+    load_reference,
+    make_optimizer,
+    sample_credit,
+    train,
+)
+from trainer.packing import pack, per_token_logprobs
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    state = tmp_path_factory.mktemp("grpo") / "stack"
+    quiet = lambda _line: None  # noqa: E731
+    info = up(state, worker="tiny", docs=500, questions_per_tier=2, train_questions=(0, 0), say=quiet)
+    try:
+        gateway = info["services"]["coordinator"]["http"]
+        lines = (state / "world" / "questions.jsonl").read_text().splitlines()
+        questions = [json.loads(line) for line in lines]
+        for group, question in enumerate(questions[:2]):
+            for _ in range(2):
+                response = httpx.post(
+                    f"{gateway}/v1/episodes",
+                    json={
+                        "question": question["query"],
+                        "question_id": str(question["query_id"]),
+                        "gold_answer": question["answer"],
+                        "group_id": f"group-{group}",
+                        "worker_budget": {"max_tokens": 600, "max_turns": 2},
+                        "overrides": {"max_branches": 1},
+                    },
+                    timeout=120,
+                )
+                assert response.status_code == 200, response.text
+    finally:
+        down(state, say=quiet)
+    return {"records": state / "records.sqlite", "tiny": state / "tiny"}
+
+
+def grpo(*args: str | Path):
+    return runner.invoke(app, ["grpo", *map(str, args)])
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_one_step_on_stack_records_then_resume(stack: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    common = ("--records", stack["records"], "--model", stack["tiny"], "--ref", stack["tiny"], "--out", out)
+    result = grpo(*common)
+    assert result.exit_code == 0, result.output
+    assert "4 episodes, 4 worker trajectories" in result.stdout and "step 1/1  loss" in result.stdout
+
+    [step] = metrics(out)
+    assert step["step"] == 1 and step["samples"] == 4 and step["groups"] == 2 and step["lr"] == 1e-6
+    assert all(math.isfinite(step[k]) for k in ("loss", "pg_loss", "kl", "grad_norm", "tokens_per_second"))
+    assert step["reward_mean"] == 0.0 and step["advantage_min"] == step["advantage_max"] == 0.0
+    assert abs(step["kl"]) < 1e-9  # policy == reference
+    # The engine generated with these weights: trainer and engine log-probs agree, TIS weights are ~1.
+    assert step["tis_clip_fraction"] == 0.0 and step["logp_rollout_abs_diff"] < 1e-3
+    assert step["ratio_mean"] == pytest.approx(1.0) and step["ppo_clip_fraction"] == 0.0
+
+    # Weights moved (weight decay only here: the gradient is 0), and only slightly at LR 1e-6.
+    before = load_file(stack["tiny"] / "model.safetensors")
+    after = torch.load(out / "checkpoints" / "step-00000001" / "model.pt", weights_only=True)
+    diffs = [float((after[k] - v).abs().max()) for k, v in before.items()]
+    assert max(diffs) > 0 and max(diffs) < 1e-5
+    verify_checkpoint(out / "serving")
+
+    again = grpo(*common)
+    assert again.exit_code == 2 and "error: " in again.stderr and "--resume" in again.stderr
+
+    resumed = grpo(*common, "--resume", "--steps", "2")
+    assert resumed.exit_code == 0, resumed.output
+    assert "(step 1)" in resumed.stdout and "step 2/2" in resumed.stdout and "step 1/" not in resumed.stdout
+    assert [m["step"] for m in metrics(out)] == [1, 2]
+    assert (out / "checkpoints" / "step-00000002").is_dir()
+    verify_checkpoint(out / "serving")
+
+
+def test_the_grader_hook_sets_rewards_and_the_policy_learns(stack: dict[str, Path], tmp_path: Path) -> None:
+    # A stand-in judge that calls the first episode of each group correct.
+    seen: set[str] = set()
+
+    def first_of_group_wins(record: dict) -> EpisodeGrades:
+        first = record["group_id"] not in seen
+        seen.add(record["group_id"])
+        return EpisodeGrades(reward=1.0 if first else 0.0, contributions={})
+
+    [step] = train(
+        stack["records"], stack["tiny"], stack["tiny"], tmp_path / "run", grader=first_of_group_wins
+    )
+    assert step["reward_mean"] == 0.5
+    assert step["advantage_max"] > 0 > step["advantage_min"] and step["grad_norm"] > 0
+    assert math.isfinite(step["loss"])
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no records", "no episode records at"),
+        ("empty", "no episode records"),
+        ("no gold", "have no gold_answer (episodes "),
+        ("no model", "not a model folder"),
+        ("not json", "not a JSON episode record"),
+    ],
+)
+def test_bad_input_is_one_error_line(stack: dict[str, Path], tmp_path: Path, case: str, message: str) -> None:
+    records, model = stack["records"], stack["tiny"]
+    if case == "no records":
+        records = tmp_path / "missing.jsonl"
+    elif case == "empty":
+        records = tmp_path / "empty.jsonl"
+        records.write_text("")
+    elif case == "no gold":
+        from services.coordinator.records import RecordStore
+
+        with RecordStore(stack["records"]) as store:
+            record = store.get(store.list(limit=1)[0]["episode_id"])
+        records = tmp_path / "nogold.jsonl"
+        records.write_text(json.dumps({**record, "gold_answer": None}) + "\n")
+    elif case == "no model":
+        model = tmp_path / "nowhere"
+    else:
+        records = tmp_path / "bad.jsonl"
+        records.write_text("{not json\n")
+    result = grpo("--records", records, "--model", model, "--ref", stack["tiny"], "--out", tmp_path / "run")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+# --- the update on hand-made samples ---------------------------------------------------------------
+
+
+def _generated_logprob(model: torch.nn.Module, sample: Sample) -> float:
+    with torch.no_grad():
+        logp = per_token_logprobs(model, pack([sample], [0]))[0]
+    return float((logp * torch.tensor(sample.loss_mask)).sum())
+
+
+def test_the_update_raises_the_rewarded_answer_and_lowers_the_other(stack: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stack["tiny"])
+    policy, ref = load_policy(stack["tiny"]), load_reference(stack["tiny"])
+    prompt = tokenizer.encode("In which city was the astronomer born? Answer:")
+
+    def sample(episode: str, answer: str, reward: float) -> Sample:
+        generated = tokenizer.encode(f" {answer}")
+        draft = Sample(
+            token_ids=prompt + generated,
+            loss_mask=[0] * len(prompt) + [1] * len(generated),
+            rollout_logprobs=[0.0] * (len(prompt) + len(generated)),
+            group_id="q",
+            episode_id=episode,
+            worker_episode_id=f"{episode}.w0",
+            question_id="q",
+            episode_reward=reward,
+            contribution=None,
+            weight_versions=(),
+        )
+        # What the engine would have reported: the model's own log-probs of the generated tokens.
+        with torch.no_grad():
+            rollout = per_token_logprobs(policy, pack([draft], [0]))[0] * torch.tensor(draft.loss_mask)
+        return Sample(**{**draft.__dict__, "rollout_logprobs": rollout.tolist()})
+
+    right, wrong = sample("e1", "Drowouklust harbour city", 1.0), sample("e2", "Paris by the river", 0.0)
+    also_wrong = dataclasses.replace(wrong, episode_id="e3", worker_episode_id="e3.w0")
+    samples = [right, wrong, also_wrong]
+    episodes = [GradedEpisode(s.episode_id, "q", s.episode_reward) for s in samples]
+    credit = sample_credit(samples, episodes)
+    assert credit[0].advantage > 0 > credit[1].advantage and {c.weight for c in credit} == {1.0}
+
+    before = _generated_logprob(policy, right), _generated_logprob(policy, wrong)
+    stats = grpo_step(policy, ref, make_optimizer(policy, lr=1e-3), samples, credit)
+    after = _generated_logprob(policy, right), _generated_logprob(policy, wrong)
+
+    assert stats["micro_batches"] == 1 and math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert stats["tis_clip_fraction"] == 0.0 and abs(stats["kl"]) < 1e-9
+    assert after[0] > before[0] and after[1] < before[1]
+    # The reference stays frozen.
+    assert _generated_logprob(ref, right) == pytest.approx(before[0], abs=1e-5)
+
+    # Micro-batches of 2 and 1 samples accumulate the same loss and gradient as one batch of 3.
+    fresh = load_policy(stack["tiny"])
+    budget = len(right) + len(wrong)
+    split = grpo_step(fresh, ref, make_optimizer(fresh, lr=1e-3), samples, credit, micro_batch_tokens=budget)
+    assert split["micro_batches"] == 2
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert split[key] == pytest.approx(stats[key], rel=1e-4), key
+
+
+def test_an_episode_without_trajectories_still_counts_in_its_group_baseline() -> None:
+    lone = Sample([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], "g", "e2", "e2.w0", "q", 0.0, None, ())
+    [credit] = sample_credit([lone], [GradedEpisode("e1", "g", 1.0), GradedEpisode("e2", "g", 0.0)])
+    # rewards (1, 0): A_episode(e2) = (0 − 0.5) / std(ddof=1) = −0.7071…; advantage = 0.5 · that
+    assert credit.advantage == pytest.approx(-0.5 * 0.5 / math.sqrt(0.5), rel=1e-5)
+
+
+def test_command_line_defaults_are_the_recipe() -> None:
+    import typer
+
+    import trainer.grpo as g
+
+    defaults = {p.name: p.default for p in typer.main.get_command(app).commands["grpo"].params}
+    assert defaults["lr"] == g.LR and defaults["steps"] == 1 and defaults["grader"] == "rule"
+    assert defaults["micro_batch_tokens"] == g.MICRO_BATCH_TOKENS
+    assert defaults["groups_per_step"] == g.GROUPS_PER_STEP

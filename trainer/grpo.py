@@ -1,0 +1,506 @@
+"""GRPO: one policy update per rollout batch of episode records (DESIGN.md §5, seed 000).
+
+Read top to bottom, one update is:
+
+1. grade   every episode record: reward = 1 if the final answer is correct else 0 (the rule grader,
+           or any `Grader`), and one contribution score per worker report;
+2. credit  per question group: balanced hierarchical credit (`trainer.advantages`) gives every
+           worker trajectory an advantage and a loss weight (1 / workers of its episode);
+3. targets with no gradient, before any weight moves: logp_old from the policy, logp_ref from the
+           frozen reference; logp_rollout comes with the records (what the engine sampled with);
+4. loss    micro-batches packed under a token budget; each one's `grpo_loss` (PPO clip 0.2/0.28,
+           TIS cap 2, k3 KL 0.001, per-sample token mean, Σ w·l / Σ w) is scaled by its share of
+           the update's Σ w and back-propagated, so the summed gradient is the full batch's;
+5. step    clip the gradient norm, one AdamW step, log, checkpoint.
+
+    rewards, contributions, episodes = grade_records(path)              # 1
+    samples, _ = load_samples(path, rewards=rewards, contributions=contributions)
+    credit = sample_credit(samples, episodes)                           # 2
+    stats = grpo_step(policy, ref, optimizer, samples, credit)          # 3-5
+
+`train` runs that for `steps` updates and is what `bcstack train grpo` calls. The records are
+split into rollout batches of `groups_per_step` question groups (seed 000: 8 prompts x 8 episodes
+per update), taken in order; when the run asks for more steps than the records have batches it
+goes round again (the TIS weight, now exp(logp_old − logp_rollout) of an older policy, corrects
+for the staleness and is capped at 2). After each step it appends a line to OUT/metrics.jsonl and
+writes a crash-safe checkpoint to OUT/checkpoints (`trainer.checkpoint`); at the end it exports
+the policy to OUT/serving in the serving format (`trainer.export`).
+
+Hyperparameters. Seed 000 gives the RL recipe: LR 1e-6, ε 0.2/0.28, TIS cap 2.0, KL 0.001 (k3),
+8 prompts x 8 episodes per update; it says nothing about the optimizer itself, so AdamW takes
+seed 001's settings of the same Miles setup ("weight decay 0.1, beta=(0.9,0.95)"), at a constant
+LR (seed 000 names no schedule). Weight decay skips 1-D parameters (norm weights, biases), as
+Megatron does. The gradient-norm clip of 1.0 is not in the seeds: it is Megatron's `--clip-grad`
+default, which Miles inherits.
+
+Simplified, and why:
+- One update per rollout batch, so logp_old equals logp at the moment of the update: the PPO
+  ratio is 1 and the clip cannot bind (slime with one optimizer step per rollout is the same).
+  logp_old is still computed and used, so several updates per batch need no new code.
+- One process, float32 on CPU or one device; tensor parallelism (`trainer.parallel`) and the
+  rollout loop that produces the records live elsewhere.
+- Packing builds a dense T x T attention mask per micro-batch (`trainer.packing`): fine for the
+  tiny model; at 24K tokens a varlen attention kernel is the memory-sane route.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from services.common.budget import BudgetLimits
+from trainer.advantages import EpisodeCredit, HierarchicalCredit, hierarchical_credit
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.data import Sample, group_samples, load_samples, read_records
+from trainer.loss import grpo_loss
+from trainer.packing import PackedBatch, pack_micro_batches, per_token_logprobs
+
+LR = 1e-6  # seed 000
+BETAS = (0.9, 0.95)  # seed 001 (the SFT stage of the same Miles setup)
+WEIGHT_DECAY = 0.1  # seed 001
+MAX_GRAD_NORM = 1.0  # Megatron's --clip-grad default; not in the seeds
+GROUPS_PER_STEP = 8  # seed 000: 8 prompts x 8 episodes per update
+# A micro-batch must hold the longest trajectory, and an episode's budget counts every token of it.
+MICRO_BATCH_TOKENS = BudgetLimits().max_tokens
+ATTENTION = "sdpa"  # applies packing's 4D mask (trainer.packing); so does "eager"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+SERVING_DIR = "serving"
+
+
+class GRPOError(ValueError):
+    """The run cannot start or go on (no records, records without a gold answer, no model, ...)."""
+
+
+# --- 1. grade ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpisodeGrades:
+    """One episode's grades: its 0/1 reward and a contribution score per worker episode id.
+
+    A worker missing from `contributions` (or mapped to None: the judge could not grade it) trains
+    on the episode term of its advantage only (`trainer.advantages`).
+    """
+
+    reward: float
+    contributions: Mapping[str, float | None] = field(default_factory=dict)
+
+
+# The hook for other graders: anything that grades one episode record. The judge proxy will plug
+# in here (POST /v1/grade and /v1/grade/contribution, or their /batch forms), returning the same
+# EpisodeGrades; `rule_grades` is the embedded default judge, run in-process.
+Grader = Callable[[Mapping[str, Any]], EpisodeGrades]
+
+
+def final_response(record: Mapping[str, Any]) -> str:
+    """The episode's final answer in the BrowseComp answer format the graders read."""
+    from bcstack.evaluation.runner import response_text
+
+    return response_text(
+        str(record.get("answer") or ""),
+        str(record.get("explanation") or ""),
+        str(record.get("confidence") or ""),
+    )
+
+
+def worker_report(worker: Mapping[str, Any]) -> str:
+    """A worker's report as the coordinator read it (its raw text), else its answer and explanation."""
+    report = worker.get("report") or {}
+    if report.get("raw_text"):
+        return str(report["raw_text"])
+    return f"{report.get('answer') or ''}\n{report.get('explanation') or ''}"
+
+
+def rule_grades(record: Mapping[str, Any]) -> EpisodeGrades:
+    """The rule grader (the embedded judge's backend): normalized exact or numeric answer match for
+    the reward; for each worker, decisive (1.0) if its report contains the gold answer, marginal if
+    it contains only the (wrong) final answer, none (0.0) otherwise."""
+    from services.judge.core import RULE_VERSION
+    from services.judge.grading import rule_answer, rule_contribution
+
+    gold = str(record["gold_answer"])
+    verdict = rule_answer(final_response(record), gold, RULE_VERSION)
+    answer = str(record.get("answer") or "")
+    contributions = {
+        # keyed like trainer.data keys a worker trajectory
+        str(worker.get("episode_id") or f"#{i}"): rule_contribution(
+            worker_report(worker), answer, gold, RULE_VERSION
+        ).score
+        for i, worker in enumerate(record.get("workers") or [])
+        if worker.get("trajectory") is not None
+    }
+    return EpisodeGrades(reward=1.0 if verdict.correct else 0.0, contributions=contributions)
+
+
+@dataclass(frozen=True)
+class GradedEpisode:
+    """An episode's place in its group, kept even when no trajectory of it can be trained on."""
+
+    episode_id: str
+    group_id: str
+    reward: float
+
+
+def grade_records(
+    path: Path, grader: Grader = rule_grades
+) -> tuple[dict[str, float], dict[str, float], list[GradedEpisode]]:
+    """Grade every record of `path`: rewards by episode id, contributions by worker episode id, and
+    every episode in file order (for the group baselines).
+
+    Raises GRPOError naming the records that have no gold answer: a reward needs one, and training
+    on records that silently count as wrong would push the policy away from whatever they did.
+    """
+    rewards: dict[str, float] = {}
+    contributions: dict[str, float] = {}
+    episodes: list[GradedEpisode] = []
+    no_gold: list[str] = []
+    for origin, record in read_records(Path(path)):
+        if not str(record.get("gold_answer") or "").strip():
+            no_gold.append(str(record.get("episode_id") or origin))
+            continue
+        grades = grader(record)
+        episode_id = str(record.get("episode_id"))
+        if episode_id in rewards:
+            raise GRPOError(f"{path}: episode {episode_id} appears twice")
+        rewards[episode_id] = float(grades.reward)
+        contributions.update({k: float(v) for k, v in grades.contributions.items() if v is not None})
+        # The group, as trainer.data assigns it: group_id, else question_id.
+        group_id = str(record.get("group_id") or record.get("question_id") or "")
+        episodes.append(GradedEpisode(episode_id, group_id, float(grades.reward)))
+    if no_gold:
+        shown = ", ".join(no_gold[:5]) + (f" and {len(no_gold) - 5} more" if len(no_gold) > 5 else "")
+        raise GRPOError(
+            f"{path}: {len(no_gold)} of {len(no_gold) + len(episodes)} records have no gold_answer "
+            f"(episodes {shown}); the grader needs one to compute a reward"
+        )
+    if not episodes:
+        raise GRPOError(f"{path}: no episode records")
+    return rewards, contributions, episodes
+
+
+# --- 2. credit --------------------------------------------------------------------------------------
+
+
+def sample_credit(
+    samples: Sequence[Sample], episodes: Sequence[GradedEpisode] = ()
+) -> list[HierarchicalCredit]:
+    """Each sample's advantage and loss weight, aligned with `samples`.
+
+    Per group: the episodes (those in `episodes`, which may have no trainable trajectory and still
+    count in the group's reward baseline, plus those of the samples) become `EpisodeCredit`s with
+    one contribution per sample, and `hierarchical_credit` does the rest. A sample's reward and
+    contribution are its `episode_reward` and `contribution` (None reward: 0).
+    """
+    credit: dict[int, HierarchicalCredit] = {}
+    index = {id(s): i for i, s in enumerate(samples)}
+    for group_id, members in group_samples(samples).items():
+        by_episode: dict[str, list[Sample]] = {}
+        rewards: dict[str, float] = {}
+        for episode in episodes:
+            if episode.group_id == group_id:
+                by_episode.setdefault(episode.episode_id, [])
+                rewards[episode.episode_id] = episode.reward
+        for sample in members:
+            by_episode.setdefault(sample.episode_id, []).append(sample)
+            rewards.setdefault(sample.episode_id, sample.episode_reward or 0.0)
+        order = list(by_episode)
+        group_credit = hierarchical_credit(
+            [EpisodeCredit(rewards[e], [s.contribution for s in by_episode[e]]) for e in order]
+        )
+        for e, episode_credit in zip(order, group_credit, strict=True):
+            for sample, c in zip(by_episode[e], episode_credit, strict=True):
+                credit[index[id(sample)]] = c
+    return [credit[i] for i in range(len(samples))]
+
+
+# --- 3-5. the update ---------------------------------------------------------------------------------
+
+
+def load_policy(model_dir: Path) -> torch.nn.Module:
+    """The trainable policy: float32, training mode."""
+    return _load_model(model_dir, "--model").train()
+
+
+def load_reference(ref_dir: Path) -> torch.nn.Module:
+    """The frozen KL reference (the SFT model): float32, eval mode, no gradient."""
+    return _load_model(ref_dir, "--ref").eval().requires_grad_(False)
+
+
+def _load_model(model_dir: Path, what: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise GRPOError(f"{what} {model_dir}: not a model folder (no config.json)")
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
+
+
+def make_optimizer(policy: torch.nn.Module, lr: float = LR) -> torch.optim.AdamW:
+    """AdamW with seed 001's betas and weight decay; no decay on 1-D parameters (norms, biases)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS)
+
+
+def _rows(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """A packed [1, T] row as [samples, longest]: one sample per row, zero padded (off the loss mask)."""
+    return pad_sequence([values[0, s] for s in batch.slices], batch_first=True)
+
+
+def grpo_step(
+    policy: torch.nn.Module,
+    ref: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    credit: Sequence[HierarchicalCredit],
+    *,
+    micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+    max_grad_norm: float = MAX_GRAD_NORM,
+) -> dict[str, float]:
+    """One GRPO update of `policy` on `samples` (with `credit` aligned to them); returns its stats.
+
+    Stats: loss, pg_loss, kl (weighted like the loss, over the whole update); tis_clip_fraction,
+    ppo_clip_fraction, ratio_mean and logp_rollout_abs_diff (mean |logp_old − logp_rollout|, the
+    train/inference mismatch), all over loss tokens; advantage_mean/std/min/max over samples;
+    grad_norm (before clipping); tokens, loss_tokens, tokens_per_second, micro_batches, samples,
+    seconds. A non-finite loss or gradient raises GRPOError before the optimizer steps.
+    """
+    started = time.perf_counter()
+    batches = pack_micro_batches(samples, micro_batch_tokens)
+    advantages = torch.tensor([c.advantage for c in credit], dtype=torch.float32)
+    weights = torch.tensor([c.weight for c in credit], dtype=torch.float32)
+
+    # Targets, fixed before any weight moves: the policy's own log-probs (logp_old) and the reference's.
+    with torch.no_grad():
+        logp_old = [per_token_logprobs(policy, b) for b in batches]
+        logp_ref = [per_token_logprobs(ref, b) for b in batches]
+
+    # The update's loss is Σ_i w_i·l_i / Σ_i w_i over ALL its samples (samples without loss tokens
+    # do not count). Each micro-batch's grpo_loss is normalized by its own Σ w, so scaling it by
+    # (its Σ w) / (the update's Σ w) makes the summed losses and gradients the full batch's.
+    total_weight = sum(c.weight for s, c in zip(samples, credit, strict=True) if any(s.loss_mask))
+    if total_weight <= 0:
+        raise GRPOError("no generated tokens to train on (every loss mask is 0)")
+
+    optimizer.zero_grad(set_to_none=True)
+    totals = dict.fromkeys(("loss", "pg_loss", "kl"), 0.0)
+    token_shares = dict.fromkeys(("tis_clip_fraction", "ppo_clip_fraction", "ratio_mean"), 0.0)
+    mismatch = 0.0
+    loss_tokens = 0
+    for batch, old, reference in zip(batches, logp_old, logp_ref, strict=True):
+        logp = per_token_logprobs(policy, batch)
+        mask = _rows(batch.loss_mask, batch)
+        which = list(batch.indices)
+        loss, stats = grpo_loss(
+            _rows(logp, batch),
+            _rows(old, batch),
+            _rows(batch.rollout_logprobs, batch),
+            _rows(reference, batch),
+            advantages[which],
+            mask,
+            sample_weights=weights[which],
+        )
+        share = stats["sample_weight_sum"] / total_weight
+        (loss * share).backward()
+        for key in totals:
+            totals[key] += stats[key] * share
+        n = int(mask.sum())
+        for key in token_shares:
+            token_shares[key] += stats[key] * n
+        # How far the trainer's log-probs are from the engine's (train/inference mismatch).
+        mismatch += float(((old - batch.rollout_logprobs).abs() * batch.loss_mask).sum())
+        loss_tokens += n
+
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm))
+    if not all(math.isfinite(v) for v in (*totals.values(), grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+        raise GRPOError(f"non-finite loss or gradient ({totals}, grad norm {grad_norm}); no update made")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    seconds = time.perf_counter() - started
+    tokens = sum(b.num_tokens for b in batches)
+    adv = [c.advantage for c in credit]
+    return {
+        **totals,
+        **{k: v / max(loss_tokens, 1) for k, v in token_shares.items()},
+        "logp_rollout_abs_diff": mismatch / max(loss_tokens, 1),
+        "advantage_mean": statistics.fmean(adv),
+        "advantage_std": statistics.pstdev(adv),
+        "advantage_min": min(adv),
+        "advantage_max": max(adv),
+        "grad_norm": grad_norm,
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+        "micro_batches": len(batches),
+        "samples": len(samples),
+        "seconds": seconds,
+    }
+
+
+# --- the run -----------------------------------------------------------------------------------------
+
+
+def rollout_batches(samples: Sequence[Sample], groups_per_step: int) -> list[list[Sample]]:
+    """The samples split into updates of `groups_per_step` question groups, in order of appearance."""
+    if groups_per_step < 1:
+        raise GRPOError(f"groups per step must be at least 1, got {groups_per_step}")
+    groups = list(group_samples(samples).values())
+    return [
+        [s for group in groups[i : i + groups_per_step] for s in group]
+        for i in range(0, len(groups), groups_per_step)
+    ]
+
+
+def _describe(step: int, steps: int, m: Mapping[str, Any]) -> str:
+    return (
+        f"step {step}/{steps}  loss {m['loss']:+.5f}  pg {m['pg_loss']:+.5f}  kl {m['kl']:.2e}  "
+        f"tis_clip {m['tis_clip_fraction']:.3f}  ppo_clip {m['ppo_clip_fraction']:.3f}  "
+        f"adv {m['advantage_mean']:+.3f}±{m['advantage_std']:.3f} "
+        f"[{m['advantage_min']:+.3f}, {m['advantage_max']:+.3f}]  "
+        f"reward {m['reward_mean']:.3f}  grad_norm {m['grad_norm']:.3e}  "
+        f"tokens {m['tokens']:,}  {m['tokens_per_second']:,.0f} tok/s"
+    )
+
+
+def _keep_metrics_until(path: Path, step: int) -> None:
+    """Drop metrics lines of steps after `step` (written before a crash took their checkpoint)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    path.write_text("".join(line + "\n" for line in lines if json.loads(line).get("step", 0) <= step))
+
+
+def train(
+    records: Path,
+    model_dir: Path,
+    ref_dir: Path,
+    out_dir: Path,
+    *,
+    lr: float = LR,
+    micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+    grader: Grader = rule_grades,
+    steps: int = 1,
+    resume: bool = False,
+    groups_per_step: int = GROUPS_PER_STEP,
+    say: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Train until the policy has taken `steps` updates; returns this run's metrics, one dict per step.
+
+    `grader` grades each record (default: the rule grader; the hook for the judge proxy). With
+    `resume` the run continues from the newest checkpoint under OUT/checkpoints (from step 1 when
+    there is none); without it, OUT must not hold checkpoints already. Each step's metrics
+    (`grpo_step`'s stats plus step, reward_mean and episodes over the batch's groups, groups, lr,
+    batch) go to `say` as one line and to OUT/metrics.jsonl; the final policy is exported to
+    OUT/serving.
+    """
+    records, model_dir, ref_dir, out_dir = Path(records), Path(model_dir), Path(ref_dir), Path(out_dir)
+    if steps < 1:
+        raise GRPOError(f"--steps must be at least 1, got {steps}")
+    rewards, contributions, episodes = grade_records(records, grader)
+    samples, counts = load_samples(records, rewards=rewards, contributions=contributions)
+    if not samples:
+        raise GRPOError(f"{records}: no worker trajectories to train on ({counts['records']} records)")
+    batches = rollout_batches(samples, groups_per_step)
+    say(
+        f"{counts['records']} episodes, {len(samples)} worker trajectories "
+        f"({counts['skipped_failed']} failed branches without one), {len(batches)} rollout batch(es) of "
+        f"up to {groups_per_step} groups; mean reward {statistics.fmean(rewards.values()):.3f}"
+    )
+
+    checkpoints = out_dir / CHECKPOINTS_DIR
+    metrics_path = out_dir / METRICS_FILE
+    latest = latest_checkpoint(checkpoints)
+    if latest is not None and not resume:
+        raise GRPOError(
+            f"{out_dir} already holds checkpoints (latest {latest.name}); pass --resume or a new --out"
+        )
+    policy = load_policy(model_dir)
+    ref = load_reference(ref_dir)
+    optimizer = make_optimizer(policy, lr)
+    step, next_batch = 0, 0
+    if latest is not None:
+        state = load_checkpoint(latest, model=policy, optimizer=optimizer)
+        step = state["step"]
+        if state["data_cursor"].get("records") == str(records.resolve()):
+            next_batch = state["data_cursor"].get("next_batch", 0)
+        for group in optimizer.param_groups:  # the command line's LR wins over the checkpoint's
+            group["lr"] = lr
+        _keep_metrics_until(metrics_path, step)
+        say(f"resumed from {latest} (step {step})")
+    else:
+        if resume:
+            say(f"no checkpoint under {checkpoints}; starting at step 1")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path.write_text("")
+    if step >= steps:
+        say(f"already at step {step}, nothing to do for --steps {steps}")
+        return []
+
+    run_metrics: list[dict[str, Any]] = []
+    while step < steps:
+        step += 1
+        batch_index = next_batch % len(batches)
+        batch = batches[batch_index]
+        stats = grpo_step(
+            policy,
+            ref,
+            optimizer,
+            batch,
+            sample_credit(batch, episodes),
+            micro_batch_tokens=micro_batch_tokens,
+        )
+        batch_groups = {s.group_id for s in batch}
+        batch_rewards = [e.reward for e in episodes if e.group_id in batch_groups]
+        metrics = {
+            "step": step,
+            **stats,
+            "reward_mean": statistics.fmean(batch_rewards),
+            "episodes": len(batch_rewards),
+            "groups": len(batch_groups),
+            "lr": optimizer.param_groups[0]["lr"],
+            "batch": batch_index,
+        }
+        say(_describe(step, steps, metrics))
+        with metrics_path.open("a") as handle:
+            handle.write(json.dumps(metrics) + "\n")
+        next_batch = batch_index + 1
+        save_checkpoint(
+            checkpoints,
+            step,
+            model=policy,
+            optimizer=optimizer,
+            data_cursor={"records": str(records.resolve()), "next_batch": next_batch},
+            extra={"model": str(model_dir), "ref": str(ref_dir), "lr": lr},
+        )
+        run_metrics.append(metrics)
+
+    export_serving(policy, model_dir, out_dir / SERVING_DIR)
+    say(f"step {step} checkpoint in {checkpoints}, serving export in {out_dir / SERVING_DIR}")
+    return run_metrics
+
+
+def export_serving(policy: torch.nn.Module, tokenizer_dir: Path, serving_dir: Path) -> dict[str, Any]:
+    """Export `policy` to the serving format (BF16, trimmed vocabulary, SHA256SUMS), verified,
+    with the tokenizer files of `tokenizer_dir`; replaces an earlier export atomically."""
+    from trainer.export import export_checkpoint
+
+    serving_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".hf-", dir=serving_dir.parent) as hf:
+        policy.save_pretrained(hf)
+        return export_checkpoint(Path(hf), serving_dir, tokenizer_dir=tokenizer_dir, force=True)
