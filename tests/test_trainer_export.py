@@ -96,6 +96,7 @@ def test_export_of_the_tiny_model_verifies(kit: Path, served: tuple[Path, dict])
     out, summary = served
     assert sorted(path.name for path in out.iterdir()) == [
         SUMS_FILE,
+        "bcstack_export.json",
         "config.json",
         "generation_config.json",
         "model.safetensors",
@@ -118,6 +119,41 @@ def test_export_of_the_tiny_model_verifies(kit: Path, served: tuple[Path, dict])
     ]
     assert verify_checkpoint(out)["tensors"] == 24
     assert not list(out.parent.glob(".*partial*"))
+    manifest = json.loads((out / "bcstack_export.json").read_text())
+    assert manifest == {
+        "vocab_rows": TOKENS,
+        "vocab_rows_from": "the tokenizer",
+        "source_vocab_rows": PADDED_ROWS,
+    }
+
+
+def test_the_base_models_vocabulary_is_kept_when_the_tokenizer_comes_from_it(
+    kit: Path, tmp_path: Path
+) -> None:
+    # The seed's real case: 152,064 trained rows -> the base Qwen3-4B's 151,936, whose tokenizer has
+    # only 151,669 tokens. Here: 4,224 trained rows -> a "base" with 4,160 rows -> 4,105 tokens.
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(kit / name, base / name)
+    base_rows = TOKENS + 55
+    (base / "config.json").write_text(
+        json.dumps({**json.loads((kit / "config.json").read_text()), "vocab_size": base_rows})
+    )
+    out = tmp_path / "serving"
+    export_checkpoint(kit, out, tokenizer_dir=base)
+    manifest = json.loads((out / "bcstack_export.json").read_text())
+    assert manifest["vocab_rows"] == base_rows and str(base) in manifest["vocab_rows_from"]
+    summary = verify_checkpoint(out)  # no flags: the declared rows are checked
+    assert summary["vocab_rows"] == base_rows
+    # a manifest that lies is caught by its hash; one re-hashed to match is caught by the rows check
+    path = out / "bcstack_export.json"
+    path.write_text(json.dumps({**manifest, "vocab_rows": TOKENS}))
+    with pytest.raises(VerifyError, match="bcstack_export.json"):
+        verify_checkpoint(out)
+    write_sha256sums(out)
+    with pytest.raises(VerifyError, match=f"declares {TOKENS}"):
+        verify_checkpoint(out)
 
 
 def test_kept_rows_are_the_original_rows_in_bf16_byte_for_byte(kit: Path, served: tuple[Path, dict]) -> None:
@@ -273,6 +309,10 @@ def test_untrimmed_vocabulary_fails_unless_the_engine_keeps_it(kit: Path, tmp_pa
     padded = tmp_path / "padded"
     summary = export_checkpoint(kit, padded, vocab_size=PADDED_ROWS)  # verified with its own row count
     assert summary["vocab_rows"] == PADDED_ROWS
+    assert verify_checkpoint(padded)["vocab_rows"] == PADDED_ROWS  # the export declared its choice
+    # without the export's manifest (a checkpoint made elsewhere) the tokenizer is the expectation
+    (padded / "bcstack_export.json").unlink()
+    write_sha256sums(padded)
     with pytest.raises(VerifyError, match=r"has 4224 rows but the tokenizer has 4105 tokens"):
         verify_checkpoint(padded)
     assert verify_checkpoint(padded, vocab_size=PADDED_ROWS)["vocab_rows"] == PADDED_ROWS

@@ -15,10 +15,11 @@ The serving format is what the engine loads and what gets published:
 - `SHA256SUMS` (`sha256sum -c` format), written last, covering every file above.
 
 Note on "the tokenizer's vocabulary": Qwen3-4B's tokenizer has 151,669 tokens (len(tokenizer))
-while the released Qwen3-4B has 151,936 embedding rows, its own padding. The default target here is
-len(tokenizer), as for the tiny model (4,105 tokens, 4,224 rows); to keep the engine's row count
-(what the published 151,936-row serving copy did), pass `vocab_size` (or verify with the served
-model's config as `expect_config`).
+while the released Qwen3-4B has 151,936 embedding rows, its own padding, and the seed's serving
+copy keeps those 151,936 (152,064 trained rows minus Megatron's 128). So the target is the base
+model's vocab_size when the tokenizer is restored from the base model's folder (which holds its
+config.json), else the tokenizer's size (the tiny kit: 4,105 tokens, 4,224 rows), else what
+`vocab_size` says; `bcstack_export.json` records the choice and verify checks against it.
 
 An export is written into a hidden sibling folder, verified there, and renamed into place, so an
 interrupted export never leaves a half checkpoint at `out_dir`.
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 
 SUMS_FILE = "SHA256SUMS"
 CONFIG_FILE = "config.json"
+# What the export kept and why, listed in SHA256SUMS: verify reads the intended row count from it.
+EXPORT_FILE = "bcstack_export.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -384,7 +387,8 @@ def verify_checkpoint(
     In order: SHA256SUMS present and every listed file's hash (no unlisted weight file); config,
     tokenizer files and chat template present and listed; weight files readable (with a
     consistent index when sharded); embedding rows == config vocab_size == the expected row count
-    (`vocab_size`, else `expect_config`'s vocab_size, else the tokenizer's size); every tensor's
+    (`vocab_size`, else `expect_config`'s vocab_size, else the row count the export declared in
+    bcstack_export.json, else the tokenizer's size); every tensor's
     key, shape and dtype (`dtype`, BF16) as `expected_tensors(config)`; with `expect_config` (the
     served model's config.json, or its folder) the architecture fields in COMPATIBLE_FIELDS equal.
     Raises VerifyError with the first problem.
@@ -427,6 +431,13 @@ def verify_checkpoint(
     actual, where, payload = _read_layout(folder, files, weight_map)
 
     served = _load_expect_config(expect_config) if expect_config is not None else None
+    declared = None
+    if (folder / EXPORT_FILE).is_file():
+        _require_listed(EXPORT_FILE, folder, sums, "export manifest")
+        try:
+            declared = int(json.loads((folder / EXPORT_FILE).read_text(encoding="utf-8"))["vocab_rows"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise VerifyError(f"{EXPORT_FILE}: unreadable ({error})") from None
     if config.vocab_size < tokenizer_rows:
         # Checked before building the layout: a model whose special token ids fall outside its
         # vocabulary does not even construct.
@@ -453,7 +464,9 @@ def verify_checkpoint(
                 f"vocabulary: {name} has {rows} rows, "
                 f"the served model's config has vocab_size {served.vocab_size}"
             )
-        if vocab_size is None and served is None and rows != tokenizer_rows:
+        if vocab_size is None and served is None and declared is not None and rows != declared:
+            raise VerifyError(f"vocabulary: {name} has {rows} rows, {EXPORT_FILE} declares {declared}")
+        if vocab_size is None and served is None and declared is None and rows != tokenizer_rows:
             raise VerifyError(
                 f"vocabulary: {name} has {rows} rows but the tokenizer has {tokenizer_rows} tokens "
                 "(pass --vocab-size or --expect-config if the engine keeps padding rows)"
@@ -570,7 +583,7 @@ def _write_export(
         raise ExportError(f"{tokenizer_dir}: no chat template (tokenizer_config.json or chat_template.jinja)")
     tokenizer = _load_tokenizer(tokenizer_dir)
     needed = _tokenizer_rows(tokenizer)
-    rows = vocab_size if vocab_size is not None else needed
+    rows, rows_from = _target_rows(vocab_size, needed, model_dir, tokenizer_dir)
     if rows < needed:
         raise ExportError(f"vocab_size {rows} is smaller than the tokenizer's {needed} tokens")
 
@@ -626,6 +639,10 @@ def _write_export(
     for path in staging.iterdir():
         path.chmod(0o644)  # safetensors leaves files owner-only; a serving container may be another user
 
+    manifest = {"vocab_rows": rows, "vocab_rows_from": rows_from, "source_vocab_rows": source_rows}
+    (staging / EXPORT_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    (staging / EXPORT_FILE).chmod(0o644)
+
     step(f"Writing {SUMS_FILE}")
     write_sha256sums(staging)
     return {
@@ -635,6 +652,31 @@ def _write_export(
         "generation_config": str(generation_source) if generation_source is not None else None,
         "dropped_tied_lm_head": dropped_lm_head,
     }
+
+
+def _target_rows(
+    vocab_size: int | None, needed: int, model_dir: Path, tokenizer_dir: Path
+) -> tuple[int, str]:
+    """The embedding rows to keep, and where that number comes from.
+
+    Seed 000/001: the trained checkpoint has 152,064 rows (Megatron pads the vocabulary); the
+    serving copy drops the 128 padding rows and keeps the base Qwen3-4B's 151,936, every one byte
+    for byte, while its tokenizer (restored from the base) has 151,669 tokens. So when the
+    tokenizer comes from another folder holding the base model's config.json, its vocab_size is
+    the target; otherwise (the tiny kit: tokenizer and model in one folder) the tokenizer's size.
+    An explicit `vocab_size` wins.
+    """
+    if vocab_size is not None:
+        return vocab_size, "--vocab-size"
+    base = tokenizer_dir / CONFIG_FILE
+    if tokenizer_dir.resolve() != model_dir.resolve() and base.is_file():
+        try:
+            base_rows = int(json.loads(base.read_text(encoding="utf-8"))["vocab_size"])
+        except (ValueError, KeyError, TypeError):
+            base_rows = 0
+        if base_rows >= needed:
+            return base_rows, f"the base model's {base}"
+    return needed, "the tokenizer"
 
 
 def export_checkpoint(
