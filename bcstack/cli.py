@@ -21,6 +21,7 @@ from services.judge import cli as judge_cli
 from services.retrieval import cli as retrieval_cli
 from services.retrieval.loadtest_cli import app as loadtest_app
 from services.worker import cli as worker_cli
+from services.worker import reload_cli
 from trainer import cli as trainer_cli
 
 app = typer.Typer(
@@ -60,6 +61,7 @@ app.add_typer(train_app, name="train")
 checkpoint_app = typer.Typer(help="Serving-format checkpoints.", no_args_is_help=True)
 checkpoint_app.command("verify")(trainer_cli.verify)
 app.add_typer(checkpoint_app, name="checkpoint")
+app.add_typer(reload_cli.app, name="worker", help="Operate running workers: rolling hot reload.")
 
 
 @app.command("up")
