@@ -63,3 +63,35 @@ def wait_until(
 def free_port() -> int:
     """An unused loopback TCP port."""
     return find_free_port()
+
+
+@pytest.fixture(scope="session")
+def toy_kit(tmp_path_factory):
+    """One toy world (500 documents, seed 5, 8 test questions per tier, no train split), the tiny
+    model and its retrieval index, built once per test session for the end-to-end suites.
+
+    Returns {"dir", "world"}: `dir` holds `world/`, `tiny/` and `idx/`; treat them as read-only.
+    """
+    import subprocess
+    import sys
+
+    from bcstack.modelkit.build import build_tiny_kit
+    from bcstack.toyworld.generator import generate_world, write_world
+
+    root = tmp_path_factory.mktemp("toy-kit")
+    world = generate_world(500, 5, questions_per_tier=8, train_medium=0, train_hard=0)
+    write_world(world, root / "world")
+    build_tiny_kit(root / "tiny")
+    index = subprocess.run(
+        [sys.executable, "-m", "bcstack", "index", "--corpus", str(root / "world" / "corpus.jsonl"),
+         "--index-dir", str(root / "idx")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert index.returncode == 0, index.stderr
+    return {"dir": root, "world": world}
+
+
+def link_toy_kit(kit: dict, into) -> None:
+    """Make `into/world`, `into/tiny` and `into/idx` point at the shared toy kit."""
+    for name in ("world", "tiny", "idx"):
+        (into / name).symlink_to(kit["dir"] / name, target_is_directory=True)

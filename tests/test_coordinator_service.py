@@ -19,12 +19,10 @@ import grpc
 import httpx
 import pytest
 import yaml
-from conftest import find_free_port, wait_until
+from conftest import find_free_port, link_toy_kit, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from stack_util import bcstack_process
 
-from bcstack.modelkit.build import build_tiny_kit
-from bcstack.toyworld.generator import generate_world, write_world
 from bcstack.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 ADMIN = "gateway-admin-token-123"
@@ -86,26 +84,10 @@ def gateway(stack, name: str, endpoints: list[dict], workers: list[str] | None =
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, toy_kit):
     tmp = tmp_path_factory.mktemp("gateway")
-    world = generate_world(500, 5, questions_per_tier=8, train_medium=0, train_hard=0)
-    write_world(world, tmp / "world")
-    build_tiny_kit(tmp / "tiny")
-    index = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bcstack",
-            "index",
-            "--corpus",
-            str(tmp / "world" / "corpus.jsonl"),
-            "--index-dir",
-            str(tmp / "idx"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert index.returncode == 0, index.stderr
+    world = toy_kit["world"]
+    link_toy_kit(toy_kit, tmp)
     ports = {name: find_free_port() for name in ("r_http", "r_grpc", "e_http", "w1", "w1g", "w2", "w2g")}
     state = {
         "tmp": tmp,

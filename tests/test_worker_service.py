@@ -20,30 +20,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import httpx
 import pytest
-from conftest import find_free_port, wait_until
+from conftest import find_free_port, link_toy_kit, wait_until
 from prom_util import prometheus, query
 from prometheus_client.parser import text_string_to_metric_families
 from stack_util import bcstack_process
 
-from bcstack.modelkit.build import build_tiny_kit
-from bcstack.toyworld.generator import generate_world, write_world
 from bcstack.toyworld.policies import WORKER_TASK_TEMPLATE
 from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import protocol as p
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, toy_kit):
     tmp = tmp_path_factory.mktemp("stack")
-    world = generate_world(500, 5, questions_per_tier=8, train_medium=0, train_hard=0)
-    write_world(world, tmp / "world")
-    build_tiny_kit(tmp / "tiny")
-    index = subprocess.run(
-        [sys.executable, "-m", "bcstack", "index", "--corpus", str(tmp / "world" / "corpus.jsonl"),
-         "--index-dir", str(tmp / "idx")],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert index.returncode == 0, index.stderr
+    world = toy_kit["world"]
+    link_toy_kit(toy_kit, tmp)
     ports = {name: find_free_port() for name in ("r_http", "r_grpc", "e_http", "t_http", "w_http", "w_grpc")}
     with contextlib.ExitStack() as stack:
         stack.enter_context(
