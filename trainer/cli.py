@@ -160,6 +160,12 @@ class GraderChoice(StrEnum):
     rule = "rule"
 
 
+class MixedVersions(StrEnum):
+    keep = "keep"
+    drop = "drop"
+    error = "error"
+
+
 @app.command("grpo")
 def grpo(
     records: Path = typer.Option(
@@ -192,6 +198,12 @@ def grpo(
     groups_per_step: int = typer.Option(
         8, "--groups-per-step", min=1, help="Question groups per update (seed 000: 8 prompts x 8 episodes)."
     ),
+    mixed_versions: MixedVersions = typer.Option(
+        "keep",
+        "--mixed-versions",
+        help="Worker trajectories generated across a hot reload (turns of several weight versions): "
+        "keep them, drop them, or stop with an error.",
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
 ) -> None:
     """One GRPO update per rollout batch of episode records (hierarchical credit, TIS, k3 KL).
@@ -218,6 +230,7 @@ def grpo(
             steps=steps,
             resume=resume,
             groups_per_step=groups_per_step,
+            mixed_versions=mixed_versions.value,
             say=typer.echo,
         )
     except (GRPOError, SampleError, CheckpointError, ExportError, VerifyError, OSError) as error:

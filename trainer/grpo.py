@@ -398,6 +398,7 @@ def train(
     steps: int = 1,
     resume: bool = False,
     groups_per_step: int = GROUPS_PER_STEP,
+    mixed_versions: str = "keep",
     say: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """Train until the policy has taken `steps` updates; returns this run's metrics, one dict per step.
@@ -413,13 +414,17 @@ def train(
     if steps < 1:
         raise GRPOError(f"--steps must be at least 1, got {steps}")
     rewards, contributions, episodes = grade_records(records, grader)
-    samples, counts = load_samples(records, rewards=rewards, contributions=contributions)
+    # A trajectory whose turns span a hot reload (several weight versions): keep, drop or error.
+    samples, counts = load_samples(
+        records, rewards=rewards, contributions=contributions, mixed_versions=mixed_versions
+    )
     if not samples:
         raise GRPOError(f"{records}: no worker trajectories to train on ({counts['records']} records)")
     batches = rollout_batches(samples, groups_per_step)
     say(
         f"{counts['records']} episodes, {len(samples)} worker trajectories "
-        f"({counts['skipped_failed']} failed branches without one), {len(batches)} rollout batch(es) of "
+        f"({counts['skipped_failed']} failed branches without one, {counts['dropped_mixed']} dropped as "
+        f"mixed-version), {len(batches)} rollout batch(es) of "
         f"up to {groups_per_step} groups; mean reward {statistics.fmean(rewards.values()):.3f}"
     )
 

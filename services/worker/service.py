@@ -12,21 +12,27 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, Field
 
 from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import protocol as p
+from services.common.auth import require_admin
 from services.common.budget import BudgetLimits
 from services.common.grpc_server import GrpcServer
 from services.common.http import create_app
 from services.common.metrics import new_registry
 from services.worker.prompts import WORKER_SYSTEM_PROMPT
+from services.worker.reload import OUTCOMES, Outcome, ReloadManager, ReloadRefused
 from services.worker.runner import (
     EpisodeResult,
     EpisodeRunner,
@@ -52,6 +58,7 @@ EPISODE_TOKEN_BUCKETS = (
 )  # fmt: skip
 EPISODE_TURN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 35, 39, 40, 50)
 TURN_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4095, 4096, 8192)
+RELOAD_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
@@ -126,8 +133,54 @@ class WorkerMetrics:
         limits.labels("max_new_tokens_per_turn").set(settings.max_new_tokens_per_turn)
         limits.labels("context_length").set(settings.context_length)
         limits.labels("max_concurrent_episodes").set(settings.max_concurrent_episodes)
+        self.reloads = Counter(
+            "bcstack_worker_reloads_total",
+            "POST /admin/reload attempts by outcome (ok, rejected: refused before pausing, failed).",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in OUTCOMES:
+            self.reloads.labels(outcome)
+        self.reload_seconds = Histogram(
+            "bcstack_worker_reload_duration_seconds",
+            "Wall time of a reload attempt (verification included).",
+            buckets=RELOAD_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.reload_paused = Histogram(
+            "bcstack_worker_reload_paused_seconds",
+            "Time generation was paused by a reload (pause to continue).",
+            buckets=RELOAD_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.weight_version_info = Gauge(
+            "bcstack_worker_weight_version_info",
+            "1 for the weight version the engine serves (as last seen), no other series.",
+            ["weight_version"],
+            registry=registry,
+        )
+        self._weight_version: str | None = None
+
+    def reload(self, outcome: Outcome, seconds: float, paused_seconds: float | None) -> None:
+        self.reloads.labels(outcome).inc()
+        self.reload_seconds.observe(seconds)
+        if paused_seconds is not None:
+            self.reload_paused.observe(paused_seconds)
+
+    def weight_version(self, version: str | None) -> None:
+        if version == self._weight_version:
+            return
+        if self._weight_version is not None:
+            self.weight_version_info.remove(self._weight_version)
+        if version is not None:
+            self.weight_version_info.labels(version).set(1)
+        self._weight_version = version
 
     def turn(self, record: TurnRecord) -> None:
+        if self._weight_version is None and record.weight_version:
+            # Until a reload or GET /admin/reload asks the engine, the first turn tells. Later turns
+            # do not: a turn answered just before a swap may arrive after it.
+            self.weight_version(record.weight_version)
         self.turn_tokens.observe(record.generated_tokens)
         self.engine_seconds.observe(record.engine_s)
         self.turn_overhead.observe(record.overhead_s)
@@ -373,6 +426,46 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 task.cancel()
 
 
+class ReloadRequest(BaseModel):
+    checkpoint: str = Field(description="folder relative to checkpoint_root, or an absolute path inside it")
+    weight_version: str | None = Field(None, description="version the engine reports; default: folder name")
+
+
+def watcher_for(settings: WorkerSettings, manager: ReloadManager) -> Any:
+    """The checkpoint watcher of `reload_watch` (None when off): each new complete export under
+    `checkpoint_root` is reloaded through `manager`, the same path as POST /admin/reload."""
+    if not settings.reload_watch:
+        return None
+    if settings.checkpoint_root is None:
+        raise ValueError("reload_watch needs checkpoint_root (BCSTACK_WORKER_CHECKPOINT_ROOT)")
+    from services.worker.watch import CheckpointWatcher
+
+    async def reload(path: Any, version: str) -> Any:
+        return await manager.reload(str(path), version)
+
+    return CheckpointWatcher(
+        settings.checkpoint_root, reload, interval=settings.reload_watch_interval_seconds
+    )
+
+
+def add_reload_routes(app: FastAPI, manager: ReloadManager) -> None:
+    """`POST /admin/reload` and `GET /admin/reload` (admin token; see services/worker/reload.py)."""
+    admin = [Depends(require_admin)]
+
+    @app.post("/admin/reload", dependencies=admin)
+    async def reload(body: ReloadRequest) -> Any:
+        try:
+            return await manager.reload(body.checkpoint, body.weight_version)
+        except ReloadRefused as e:
+            return JSONResponse({"status": "failed", "error": e.error}, status_code=e.status)
+
+    @app.get("/admin/reload", dependencies=admin)
+    async def reload_status() -> Any:
+        return await manager.status()
+
+    app.state.reload_manager = manager
+
+
 def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
     """The runner, its clients and both transports on one registry (what `bcstack serve worker` runs)."""
     from transformers import AutoTokenizer
@@ -388,7 +481,10 @@ def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
     metrics = WorkerMetrics(registry, settings)
     tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer))
     engine = EngineClient(
-        settings.engine_url, timeout_s=settings.engine_timeout_seconds, retries=settings.engine_retries
+        settings.engine_url,
+        timeout_s=settings.engine_timeout_seconds,
+        retries=settings.engine_retries,
+        admin_token=settings.admin_token.get_secret_value() if settings.admin_token else None,
     )
     retrieval = RetrievalClient(
         settings.retrieval_address,
@@ -416,12 +512,25 @@ def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
     )
     core = WorkerCore(runner, settings, metrics)
     started = time.time()
+    manager = ReloadManager(engine, settings.checkpoint_root, metrics)
+    watcher = watcher_for(settings, manager)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if watcher is not None:
+            watcher.start()
+        yield
+        if watcher is not None:
+            await watcher.stop()
+
     app = create_app(
         SERVICE,
         settings,
         registry,
         health_check=lambda: {"active_episodes": core.active, "uptime_s": round(time.time() - started)},
+        lifespan=lifespan,
     )
+    add_reload_routes(app, manager)
     server = None
     if settings.grpc_port is not None:
         server = GrpcServer(SERVICE, settings, registry)

@@ -55,3 +55,13 @@ class WorkerSettings(ServiceSettings):
         None, description="system prompt for branch tasks; unset = built in"
     )
     max_task_chars: int = Field(200_000, gt=0, description="largest task text accepted")
+    checkpoint_root: Path | None = Field(
+        None,
+        description="folder POST /admin/reload may load checkpoints from (as the engine sees it); unset = "
+        "reload disabled",
+    )
+    reload_watch: bool = Field(
+        False,
+        description="watch checkpoint_root and reload the newest complete export (SHA256SUMS written last)",
+    )
+    reload_watch_interval_seconds: float = Field(10.0, gt=0, description="how often the watcher looks")

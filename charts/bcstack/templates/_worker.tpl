@@ -121,6 +121,11 @@ secretKeyRef. Takes (dict "context" $ "w" $w).
   value: {{ $w.model.tokenizer | default $w.model.path | quote }}
 - name: BCSTACK_WORKER_CONTEXT_LENGTH
   value: {{ $w.contextLength | int64 | toString | quote }}
+{{- /* POST /admin/reload loads checkpoints from the checkpoint volume, which SGLang mounts at the
+same path (the worker hands the engine the path as it sees it). Watch mode: extraEnv
+BCSTACK_WORKER_RELOAD_WATCH: "true". */}}
+- name: BCSTACK_WORKER_CHECKPOINT_ROOT
+  value: {{ trimSuffix "/" $w.checkpoints.mountPath | quote }}
 {{- range $key, $env := dict "maxTokens" "MAX_TOKENS" "maxTurns" "MAX_TURNS" "maxNewTokensPerTurn" "MAX_NEW_TOKENS_PER_TURN" "maxConcurrentEpisodes" "MAX_CONCURRENT_EPISODES" }}
 - name: BCSTACK_WORKER_{{ $env }}
   value: {{ index $s $key | int64 | toString | quote }}

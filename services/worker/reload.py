@@ -1,0 +1,234 @@
+"""Hot reload of the engine's weights through the worker: `POST /admin/reload {"checkpoint": PATH}`.
+
+One reload, in order (REFERENCE.md, SGLang's weight sync):
+
+1. resolve PATH inside `checkpoint_root` (symlinks resolved; anything outside is refused, 400);
+2. verify it as a serving-format export (`trainer.export.verify_checkpoint`) against the config of
+   the model the engine serves now (its `model_path` from /get_model_info), 422 on the first problem;
+3. `pause_generation("in_place")`: in-flight /generate calls wait, keeping their KV caches, and no
+   episode fails;
+4. `update_weights_from_disk(PATH, weight_version=...)`: the engine loads the new weights off its
+   loop and swaps them in atomically (a failed load keeps the old weights serving);
+5. `continue_generation()` always, even when 4 failed; then the engine must report the new version.
+
+A failure after the pause answers 502 and leaves the old weights serving. Reloads are serialized:
+a second one while one runs gets 409 at once. Each turn of a trajectory records the version that
+generated it, so trajectories spanning a reload show both versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from services.worker.engine_client import EngineClient, EngineError
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["ok", "rejected", "failed"]
+OUTCOMES: tuple[Outcome, ...] = ("ok", "rejected", "failed")
+DISABLED_MESSAGE = "reload is disabled: set BCSTACK_WORKER_CHECKPOINT_ROOT"
+HISTORY = 20
+
+
+@dataclass(frozen=True)
+class ReloadAttempt:
+    checkpoint: str
+    weight_version: str | None
+    outcome: Outcome
+    error: str | None
+    started_at: float  # unix seconds
+    seconds: float
+
+
+class ReloadRefused(Exception):
+    """A reload that did not happen (or did not complete): the HTTP status and the reason."""
+
+    def __init__(self, status: int, error: str) -> None:
+        super().__init__(error)
+        self.status = status
+        self.error = error
+
+
+class ReloadMetrics:
+    """What the manager reports; `WorkerMetrics` implements it on the worker's registry."""
+
+    def reload(self, outcome: Outcome, seconds: float, paused_seconds: float | None) -> None: ...
+
+    def weight_version(self, version: str | None) -> None: ...
+
+
+def resolve_checkpoint(root: Path, checkpoint: str) -> Path:
+    """`checkpoint` (relative to `root`, or absolute) with symlinks resolved; must lie inside `root`."""
+    if not checkpoint.strip():
+        raise ReloadRefused(400, "checkpoint: give a folder inside the checkpoint root")
+    real_root = root.resolve()
+    candidate = Path(checkpoint)
+    real = (candidate if candidate.is_absolute() else real_root / candidate).resolve()
+    if real == real_root or not real.is_relative_to(real_root):
+        raise ReloadRefused(400, f"checkpoint {checkpoint!r} is not inside the checkpoint root {real_root}")
+    return real
+
+
+def served_config(model_path: Any) -> tuple[Path | None, str | None]:
+    """The served model's config.json, or (None, why it is not usable)."""
+    if not isinstance(model_path, str) or not model_path:
+        return None, "the engine reports no model_path"
+    config = Path(model_path) / "config.json"
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return None, f"{config} is not readable here ({type(e).__name__})"
+    return config, None
+
+
+class ReloadManager:
+    """Serialized, verified weight reloads of one engine; the last `HISTORY` attempts kept."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        checkpoint_root: Path | None,
+        metrics: ReloadMetrics | None = None,
+        *,
+        verify: Callable[..., Any] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.checkpoint_root = checkpoint_root
+        self.metrics = metrics or ReloadMetrics()
+        self._verify = verify
+        self.attempts: deque[ReloadAttempt] = deque(maxlen=HISTORY)
+        self.running = False
+
+    async def status(self) -> dict[str, Any]:
+        try:
+            version = await self.engine.weight_version()
+        except EngineError as e:
+            log.warning("engine weight version unavailable: %s", e)
+            version = None
+        else:
+            self.metrics.weight_version(version)
+        return {
+            "weight_version": version,
+            "checkpoint_root": str(self.checkpoint_root) if self.checkpoint_root is not None else None,
+            "attempts": [asdict(a) for a in self.attempts],
+        }
+
+    async def reload(self, checkpoint: str, weight_version: str | None = None) -> dict[str, Any]:
+        """Run one reload; the success body, or ReloadRefused(status, error)."""
+        if self.checkpoint_root is None:
+            raise ReloadRefused(403, DISABLED_MESSAGE)
+        if self.running:  # checked and set with no await between: atomic on the event loop
+            raise ReloadRefused(409, "a reload is already running")
+        self.running = True
+        started_at, started = time.time(), time.perf_counter()
+        version = weight_version
+        paused: float | None = None
+        notes: list[str] = []
+        try:
+            path = resolve_checkpoint(self.checkpoint_root, checkpoint)
+            version = weight_version if weight_version is not None else path.name
+            if not version.strip():
+                raise ReloadRefused(400, "weight_version must not be empty")
+            await self._verify_checkpoint(path, notes)
+            previous, paused = await self._swap(path, version)
+        except ReloadRefused as e:
+            paused = e.paused if isinstance(e, _Failed) else paused
+            outcome: Outcome = "rejected" if e.status < 500 else "failed"
+            error = "; ".join([e.error, *notes])
+            self._record(checkpoint, version, outcome, error, started_at, started, paused)
+            log.warning("reload of %s %s: %s", checkpoint, outcome, error)
+            raise ReloadRefused(e.status, error) from None
+        finally:
+            self.running = False
+        note = "; ".join(notes) or None
+        seconds = self._record(checkpoint, version, "ok", note, started_at, started, paused)
+        self.metrics.weight_version(version)
+        log.info("reloaded %s as %s (was %s) in %.2f s", path, version, previous, seconds)
+        return {
+            "status": "ok",
+            "weight_version": version,
+            "previous_version": previous,
+            "seconds": round(seconds, 3),
+            "paused_seconds": round(paused or 0.0, 3),
+        }
+
+    async def _verify_checkpoint(self, path: Path, notes: list[str]) -> None:
+        from trainer.export import VerifyError, verify_checkpoint
+
+        try:
+            info = await self.engine.model_info()
+            expect, why_not = served_config(info.get("model_path"))
+        except EngineError as e:
+            expect, why_not = None, f"engine model info unavailable ({e})"
+        if expect is None:
+            notes.append(f"verified without the served model's config: {why_not}")
+        verify = self._verify or verify_checkpoint
+        try:
+            await asyncio.to_thread(verify, path, expect_config=expect)
+        except VerifyError as e:
+            raise ReloadRefused(422, f"verification failed: {e}") from None
+
+    async def _swap(self, path: Path, version: str) -> tuple[str | None, float]:
+        """pause → update → continue (always) → confirm; (previous version, paused seconds)."""
+        try:
+            previous = await self.engine.weight_version()
+        except EngineError as e:
+            raise ReloadRefused(502, f"engine unavailable before the reload: {e}") from None
+        failure: str | None = None
+        paused_at = time.perf_counter()
+        try:
+            await self.engine.pause_generation("in_place")
+            ok, message = await self.engine.update_weights_from_disk(str(path), weight_version=version)
+            if not ok:
+                failure = f"engine refused the weights (old weights keep serving): {message}"
+        except EngineError as e:
+            failure = f"engine error during the reload: {e}"
+        finally:
+            try:
+                await self.engine.continue_generation()
+            except EngineError as e:
+                log.error("continue_generation failed after a reload: %s", e)
+                failure = "; ".join(filter(None, [failure, f"continue_generation failed: {e}"]))
+        paused = time.perf_counter() - paused_at
+        if failure is not None:
+            raise _Failed(failure, paused)
+        try:
+            now = await self.engine.weight_version()
+        except EngineError as e:
+            raise _Failed(f"engine unavailable after the reload: {e}", paused) from None
+        if now != version:
+            raise _Failed(f"engine reports weight_version {now!r} after the reload, not {version!r}", paused)
+        return previous, paused
+
+    def _record(
+        self,
+        checkpoint: str,
+        version: str | None,
+        outcome: Outcome,
+        error: str | None,
+        started_at: float,
+        started: float,
+        paused: float | None,
+    ) -> float:
+        seconds = time.perf_counter() - started
+        self.attempts.append(
+            ReloadAttempt(checkpoint, version, outcome, error, round(started_at, 3), round(seconds, 3))
+        )
+        self.metrics.reload(outcome, seconds, paused)
+        return seconds
+
+
+class _Failed(ReloadRefused):
+    """A failure after pausing (502); carries how long generation was paused."""
+
+    def __init__(self, error: str, paused: float) -> None:
+        super().__init__(502, error)
+        self.paused = paused
