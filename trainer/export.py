@@ -41,6 +41,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bcstack.atomic import swap_in
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -715,13 +717,7 @@ def export_checkpoint(
         step("Verifying the export")
         summary = verify_checkpoint(staging, vocab_size=vocab_size, dtype=dtype)
         _check_out_dir(out_dir, force)  # someone may have filled it while we exported
-        if out_dir.exists():
-            retired = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(retired)
-            staging.rename(out_dir)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(out_dir)
+        swap_in(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bcstack.atomic import swap_in
 from bcstack.modelkit.chat_template import CHAT_TEMPLATE_PATH, load_chat_template
 from bcstack.modelkit.corpus import Corpus, read_corpus_jsonl, toy_world_corpus
 from bcstack.modelkit.model import TinyQwen3Shape, build_tiny_qwen3
@@ -158,13 +159,7 @@ def build_tiny_kit(
     try:
         manifest = _write_kit(staging, corpus, seed, bpe_vocab_size, shape, step)
         _check_output_dir(out_dir, force)  # someone may have filled it while we built
-        if out_dir.exists():
-            retired = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(retired)
-            staging.rename(out_dir)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(out_dir)
+        swap_in(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest

@@ -111,40 +111,39 @@ class Judge:
 
     async def _llm_answer(self, question: str, response: str, correct_answer: str) -> g.AnswerVerdict:
         assert self.grader is not None
-        template, version = self.answer_template, self.versions()["answer"]
+        version = self.versions()["answer"]
         inputs = {"question": question, "response": response, "correct_answer": correct_answer}
-        prompt = g.render_answer_prompt(template, **inputs)
 
-        async def compute() -> dict[str, Any]:
-            for _ in range(self.settings.parse_attempts):
-                parsed = g.parse_answer_verdict(await self._complete("answer", prompt))
-                if parsed is not None:
-                    return g.AnswerVerdict(
-                        correct=parsed.correct,
-                        extracted_final_answer=parsed.extracted_final_answer,
-                        reasoning=parsed.reasoning,
-                        confidence=parsed.confidence,
-                        parse_error=False,
-                        grader_version=version,
-                        method="llm",
-                    ).to_dict()
-                self.metrics.parse_errors.labels("answer").inc()
+        def verdict(parsed: g.ParsedAnswer | None) -> g.AnswerVerdict:
+            if parsed is None:
+                return g.AnswerVerdict(
+                    correct=None,
+                    extracted_final_answer="",
+                    reasoning=self._unparsed(),
+                    confidence=g.response_confidence(response),
+                    parse_error=True,
+                    grader_version=version,
+                    method="llm",
+                )
             return g.AnswerVerdict(
-                correct=None,
-                extracted_final_answer="",
-                reasoning=f"the grader's answer did not parse in {self.settings.parse_attempts} tries",
-                confidence=g.response_confidence(response),
-                parse_error=True,
+                correct=parsed.correct,
+                extracted_final_answer=parsed.extracted_final_answer,
+                reasoning=parsed.reasoning,
+                confidence=parsed.confidence,
+                parse_error=False,
                 grader_version=version,
                 method="llm",
-            ).to_dict()
+            )
 
-        key = VerdictCache.key("answer", template.id, self.grader.model, inputs)
-        value, how = await self.cache.get_or_compute(key, compute, keep=lambda v: not v["parse_error"])
-        self.metrics.cache.labels("answer", how).inc()
-        verdict = g.AnswerVerdict.from_dict(value)
-        verdict.cached = how == "hit"
-        return verdict
+        value = await self._llm_verdict(
+            "answer",
+            self.answer_template,
+            inputs,
+            g.render_answer_prompt(self.answer_template, **inputs),
+            g.parse_answer_verdict,
+            verdict,
+        )
+        return g.AnswerVerdict.from_dict(value)
 
     # --- worker contribution ---------------------------------------------------------------------
 
@@ -164,7 +163,7 @@ class Judge:
         self, question: str, task: str, report: str, final_answer: str, gold_answer: str
     ) -> g.ContributionVerdict:
         assert self.grader is not None
-        template, version = self.contribution_template, self.versions()["contribution"]
+        version = self.versions()["contribution"]
         inputs = {
             "question": question,
             "task": task,
@@ -172,36 +171,67 @@ class Judge:
             "final_answer": final_answer,
             "gold_answer": gold_answer,
         }
-        prompt = g.render_contribution_prompt(template, **inputs)
+
+        def verdict(parsed: g.ParsedContribution | None) -> g.ContributionVerdict:
+            if parsed is None:
+                return g.ContributionVerdict(
+                    score=0.0,
+                    label="",
+                    reasoning=self._unparsed(),
+                    parse_error=True,
+                    grader_version=version,
+                    method="llm",
+                )
+            return g.ContributionVerdict(
+                score=parsed.score,
+                label=parsed.label,
+                reasoning=parsed.reasoning,
+                parse_error=False,
+                grader_version=version,
+                method="llm",
+            )
+
+        value = await self._llm_verdict(
+            "contribution",
+            self.contribution_template,
+            inputs,
+            g.render_contribution_prompt(self.contribution_template, **inputs),
+            g.parse_contribution,
+            verdict,
+        )
+        return g.ContributionVerdict.from_dict(value)
+
+    async def _llm_verdict(
+        self,
+        grader: str,
+        template: g.Template,
+        inputs: dict[str, str],
+        prompt: str,
+        parse: Any,
+        verdict: Any,
+    ) -> dict[str, Any]:
+        """Ask the grader (up to `parse_attempts` times for a parseable answer) through the cache.
+
+        Identical inputs are answered from the cache or share the call in flight; a parse_error
+        verdict is not cached, so a later request asks again. Sets `cached` on the result.
+        """
+        assert self.grader is not None
 
         async def compute() -> dict[str, Any]:
             for _ in range(self.settings.parse_attempts):
-                parsed = g.parse_contribution(await self._complete("contribution", prompt))
+                parsed = parse(await self._complete(grader, prompt))
                 if parsed is not None:
-                    return g.ContributionVerdict(
-                        score=parsed.score,
-                        label=parsed.label,
-                        reasoning=parsed.reasoning,
-                        parse_error=False,
-                        grader_version=version,
-                        method="llm",
-                    ).to_dict()
-                self.metrics.parse_errors.labels("contribution").inc()
-            return g.ContributionVerdict(
-                score=0.0,
-                label="",
-                reasoning=f"the grader's answer did not parse in {self.settings.parse_attempts} tries",
-                parse_error=True,
-                grader_version=version,
-                method="llm",
-            ).to_dict()
+                    return verdict(parsed).to_dict()
+                self.metrics.parse_errors.labels(grader).inc()
+            return verdict(None).to_dict()
 
-        key = VerdictCache.key("contribution", template.id, self.grader.model, inputs)
+        key = VerdictCache.key(grader, template.id, self.grader.model, inputs)
         value, how = await self.cache.get_or_compute(key, compute, keep=lambda v: not v["parse_error"])
-        self.metrics.cache.labels("contribution", how).inc()
-        verdict = g.ContributionVerdict.from_dict(value)
-        verdict.cached = how == "hit"
-        return verdict
+        self.metrics.cache.labels(grader, how).inc()
+        return {**value, "cached": how == "hit"}
+
+    def _unparsed(self) -> str:
+        return f"the grader's answer did not parse in {self.settings.parse_attempts} tries"
 
     async def _complete(self, grader: str, prompt: str) -> str:
         assert self.grader is not None
