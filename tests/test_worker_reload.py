@@ -358,7 +358,7 @@ class FakeEngine:
         self.served = tmp / "served"
 
     async def model_info(self):
-        return {"model_path": str(self.served)}
+        return {"model_path": str(self.served), "weight_version": self.version}
 
     async def weight_version(self):
         return self.version

@@ -200,8 +200,8 @@ class ReloadManager:
         paused = time.perf_counter() - paused_at
         if failure is not None:
             raise _Failed(failure, paused)
-        try:
-            now = await self.engine.weight_version()
+        try:  # confirmed with get_model_info, as SGLang reports the version there too
+            now = (await self.engine.model_info()).get("weight_version")
         except EngineError as e:
             raise _Failed(f"engine unavailable after the reload: {e}", paused) from None
         if now != version:
