@@ -25,7 +25,7 @@ lint: install  ## ruff
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
-proto: install  ## regenerate the gRPC stubs in bcstack/v1 from proto/
+proto: install  ## regenerate the gRPC stubs in core/v1 from proto/
 	$(PYTHON) -m bcstack.protogen
 
 clean:  ## remove build outputs and the install stamp

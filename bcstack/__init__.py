@@ -1,3 +1,5 @@
-"""browsecomp-stack: serve, evaluate and train small BrowseComp research workers."""
+"""browsecomp-stack apps: the `bcstack` CLI, `bcstack up`, the demo and evaluation (the top layer)."""
 
-__version__ = "0.1.0"
+from core import __version__
+
+__all__ = ["__version__"]

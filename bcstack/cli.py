@@ -12,8 +12,8 @@ import typer
 
 from bcstack import __version__
 from bcstack.evaluation.cli import app as eval_app
-from bcstack.modelkit.cli import app as model_app
-from bcstack.toyworld.cli import app as toyworld_app
+from devkit.modelkit.cli import app as model_app
+from devkit.toyworld.cli import app as toyworld_app
 from services.coordinator import cli as coordinator_cli
 from services.coordinator_llm import cli as coordinator_llm_cli
 from services.engine import cli as engine_cli
@@ -89,7 +89,7 @@ def up(
     """
     from bcstack.stack import StackError
     from bcstack.stack import up as stack_up
-    from services.common.cli import fail
+    from core.kit.cli import fail
 
     try:
         info = stack_up(state, worker=worker, docs=docs, seed=seed, questions_per_tier=questions_per_tier)
@@ -113,7 +113,7 @@ def down(
     """Stop every process of the stack started by `bcstack up` (SIGTERM, then SIGKILL after 20 s)."""
     from bcstack.stack import StackError
     from bcstack.stack import down as stack_down
-    from services.common.cli import fail
+    from core.kit.cli import fail
 
     try:
         n = stack_down(state)

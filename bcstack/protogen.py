@@ -1,12 +1,12 @@
-"""Generate the Python gRPC stubs in `bcstack/v1/` from `proto/` (`make proto`).
+"""Generate the Python gRPC stubs in `core/v1/` from `proto/` (`make proto`).
 
 `python -m bcstack.protogen` regenerates them in place; `--check` only compares and exits 1,
 listing the stale files. Both use the protoc bundled with the pinned `grpcio-tools`
 (constraints.txt), so every machine writes the same bytes.
 
-Why `-I proto` with the files under `proto/bcstack/v1/`: protoc names generated imports after
-the proto import path, so `import "bcstack/v1/common.proto"` becomes
-`from bcstack.v1 import common_pb2`, an absolute import that works as checked in, without the
+Why `-I proto` with the files under `proto/core/v1/`: protoc names generated imports after
+the proto import path, so `import "core/v1/common.proto"` becomes
+`from core.v1 import common_pb2`, an absolute import that works as checked in, without the
 usual sed fix-up of `*_pb2_grpc.py`.
 """
 
@@ -21,8 +21,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "proto"
-# The generated package: proto/bcstack/v1/*.proto -> bcstack/v1/*_pb2*.py(i).
-PACKAGE_DIR = Path("bcstack") / "v1"
+# The generated package: proto/core/v1/*.proto -> core/v1/*_pb2*.py(i). The protobuf package
+# stays `bcstack.v1` (the wire names, e.g. /bcstack.v1.WorkerService/RunEpisode); only the
+# Python location is the core layer.
+PACKAGE_DIR = Path("core") / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
@@ -36,7 +38,7 @@ def proto_files(proto_root: Path = PROTO_ROOT) -> list[Path]:
 
 
 def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
-    """Run protoc on every proto file, writing `bcstack/v1/...` under `out_dir`; return the files."""
+    """Run protoc on every proto file, writing `core/v1/...` under `out_dir`; return the files."""
     from grpc_tools import protoc
 
     out_dir = Path(out_dir)
@@ -61,7 +63,7 @@ def generate(out_dir: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
 
 
 def generated_files(root: Path) -> list[Path]:
-    """The generated stub files under `root/bcstack/v1`, sorted."""
+    """The generated stub files under `root/core/v1`, sorted."""
     pkg = Path(root) / PACKAGE_DIR
     return sorted(p for p in pkg.iterdir() if p.is_file() and p.name.endswith(GENERATED_SUFFIXES))
 

@@ -126,8 +126,8 @@ def ensure_assets(
 
     `train_questions` is the toy train split (medium, hard) made with a new world.
     """
-    from bcstack.modelkit.build import build_tiny_kit
-    from bcstack.toyworld.generator import ToyWorldError, generate_world, write_world
+    from devkit.modelkit.build import build_tiny_kit
+    from devkit.toyworld.generator import ToyWorldError, generate_world, write_world
 
     world, tiny, index = state / "world", state / "tiny", state / "index"
     if not (world / "corpus.jsonl").is_file():

@@ -45,8 +45,8 @@ def stub_worker(port: int) -> None:
     """A WorkerService that finishes every branch at once (run in a child process)."""
     import grpc
 
-    from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-    from services.common import protocol as p
+    from core import protocol as p
+    from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
     class Instant(worker_pb2_grpc.WorkerServiceServicer):
         async def RunEpisode(self, request, context):  # noqa: N802

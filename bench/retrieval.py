@@ -117,7 +117,7 @@ def queries(work: Path, docs: int) -> list[str]:
 
 
 async def _in_process(index_dir: Path, qs: list[str], concurrency: int, duration: float) -> dict:
-    from services.common.metrics import new_registry
+    from core.kit.metrics import new_registry
     from services.retrieval.core import RetrievalMetrics, SearchCore, SearchQuery
     from services.retrieval.index import open_index
     from services.retrieval.settings import RetrievalSettings

@@ -3,7 +3,7 @@
     python bench/trainer.py [--repeats 3] [--budgets 2048,1024] [--threads 1]
                             [--tp-shapes 8x256,8x1024] [--work DIR] [--json FILE]
 
-All on the CPU with the tiny float32 Qwen3 of `bcstack.modelkit` (built into --work once).
+All on the CPU with the tiny float32 Qwen3 of `devkit.modelkit` (built into --work once).
 
 Packing. A synthetic GRPO rollout batch: 8 prompts x 8 episodes = 64 worker trajectories, lengths
 lognormal (median 256 tokens, sigma 0.7, clipped to 64..1,024; seeded), random token ids, a loss
@@ -558,7 +558,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     kit = args.work / "tiny"
     if not (kit / "tokenizer.json").exists():
-        from bcstack.modelkit.build import build_tiny_kit
+        from devkit.modelkit.build import build_tiny_kit
 
         print("building the tiny model kit ...", flush=True)
         build_tiny_kit(kit, force=True)

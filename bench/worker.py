@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 from common import free_port, histogram, machine, print_machine, process, summary  # noqa: E402
 
-from bcstack.toyworld.policies import WORKER_TASK_TEMPLATE  # noqa: E402
-from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
+from devkit.toyworld.policies import WORKER_TASK_TEMPLATE  # noqa: E402
 
 
 async def drive(address: str, questions: list[str], concurrency: int, duration: float) -> dict:

@@ -36,6 +36,8 @@ COPY constraints.txt ./
 RUN pip install -c constraints.txt --index-url "${TORCH_INDEX_URL}" torch
 
 COPY pyproject.toml README.md ./
+COPY core ./core
+COPY devkit ./devkit
 COPY bcstack ./bcstack
 COPY services ./services
 COPY trainer ./trainer

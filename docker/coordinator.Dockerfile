@@ -42,7 +42,7 @@ ENV BCSTACK_COORDINATOR_RECORDS_PATH=/data/records/coordinator-records.sqlite
 VOLUME ["/data/records"]
 
 # 8003: HTTP (/v1/episodes, /admin/coordinator, /health, /metrics); 50053: gRPC
-# (bcstack.v1.CoordinatorService, grpc.health.v1).
+# (core.v1.CoordinatorService, grpc.health.v1).
 EXPOSE 8003 50053
 
 # urllib raises on any non-2xx answer, so no curl is needed in the image.

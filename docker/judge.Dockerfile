@@ -45,7 +45,7 @@ ENV BCSTACK_JUDGE_CACHE_PATH=/data/cache/judge-cache.sqlite \
 VOLUME ["/data/cache"]
 
 # 8005: HTTP (/v1/grade, /v1/grade/contribution, batch forms, /health, /metrics); 50055: gRPC
-# (bcstack.v1.JudgeService, grpc.health.v1).
+# (core.v1.JudgeService, grpc.health.v1).
 EXPOSE 8005 50055
 
 # urllib raises on any non-2xx answer, so no curl is needed in the image.

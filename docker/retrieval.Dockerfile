@@ -40,7 +40,7 @@ ENV BCSTACK_RETRIEVAL_INDEX_DIR=/data/index
 VOLUME ["/data/index"]
 
 # 8001: HTTP (/search, /open, /v1/search, /health, /metrics); 50051: gRPC
-# (bcstack.v1.RetrievalService, grpc.health.v1).
+# (core.v1.RetrievalService, grpc.health.v1).
 EXPOSE 8001 50051
 
 # 200 once the indexes are loaded; 503 while loading (start period) or when both retrievers are

@@ -75,8 +75,8 @@ def toy_kit(tmp_path_factory):
     import subprocess
     import sys
 
-    from bcstack.modelkit.build import build_tiny_kit
-    from bcstack.toyworld.generator import generate_world, write_world
+    from devkit.modelkit.build import build_tiny_kit
+    from devkit.toyworld.generator import generate_world, write_world
 
     root = tmp_path_factory.mktemp("toy-kit")
     world = generate_world(500, 5, questions_per_tier=8, train_medium=0, train_hard=0)

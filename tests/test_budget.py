@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.budget import BudgetLimits, StopReason, TurnGrant, WorkerBudget
+from core.budget import BudgetLimits, StopReason, TurnGrant, WorkerBudget
 
 
 def test_seed_defaults():

@@ -35,7 +35,7 @@ from helm_harness import (
 )
 from test_dockerfiles import assert_service_image
 
-from services.common.settings import load_settings
+from core.kit.settings import load_settings
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator_llm.settings import CoordinatorLlmSettings
 

@@ -27,10 +27,10 @@ import pytest
 from conftest import find_free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from bcstack.toyworld import grammar as g
-from services.common import protocol as p
-from services.common.http import uvicorn_server
-from services.common.settings import load_settings
+from core import protocol as p
+from core.kit.http import uvicorn_server
+from core.kit.settings import load_settings
+from devkit.toyworld import grammar as g
 from services.coordinator_llm.faults import FaultInjector
 from services.coordinator_llm.service import build_app
 from services.coordinator_llm.settings import CoordinatorLlmSettings

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from bcstack.v1 import common_pb2, worker_pb2
-from services.common import protocol as p
+from core import protocol as p
+from core.v1 import common_pb2, worker_pb2
 from services.coordinator.loop import Branch, LoopLimits, run_episode
 
 LIMITS = LoopLimits(max_turns=5, max_branches=4, max_branches_per_turn=3, wall_time_seconds=10.0)

@@ -23,7 +23,7 @@ from conftest import find_free_port, link_toy_kit, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from stack_util import bcstack_process
 
-from bcstack.v1 import coordinator_pb2, coordinator_pb2_grpc
+from core.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 ADMIN = "gateway-admin-token-123"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}

@@ -27,9 +27,9 @@ import uvicorn
 from conftest import LOOPBACK, find_free_port
 from fake_openai import Reply, ScriptedLLM, serving_uvicorn
 
-from services.common.http import uvicorn_server
-from services.common.settings import load_settings
-from services.common.upstream import (
+from core.kit.http import uvicorn_server
+from core.kit.settings import load_settings
+from core.kit.upstream import (
     ChatResult,
     CircuitBreaker,
     EndpointSpec,

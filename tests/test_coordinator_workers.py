@@ -13,7 +13,7 @@ import grpc
 import pytest
 from conftest import LOOPBACK, find_free_port
 
-from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.coordinator.workers import BranchOutcome, WorkerPool
 
 TEST_TIMEOUT_SECONDS = 20.0

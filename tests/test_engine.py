@@ -25,9 +25,9 @@ import pytest
 import torch
 from conftest import find_free_port, wait_until
 
-from bcstack.modelkit.build import build_tiny_kit
-from bcstack.modelkit.chat_template import render_chat
-from bcstack.modelkit.model import build_tiny_qwen3
+from core.chat_template import render_chat
+from devkit.modelkit.build import build_tiny_kit
+from devkit.modelkit.model import build_tiny_qwen3
 from services.engine.scripted import parse_chatml
 from services.worker import engine_client as ec
 
@@ -124,7 +124,7 @@ def engine(kits, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expert_engine(kits, tmp_path_factory):
-    from bcstack.toyworld.generator import generate_world, write_world
+    from devkit.toyworld.generator import generate_world, write_world
 
     world = generate_world(n_docs=450, seed=0, questions_per_tier=5, train_medium=5, train_hard=5)
     world_dir = tmp_path_factory.mktemp("world") / "w"
@@ -515,7 +515,7 @@ def test_parse_chatml_reads_back_the_rendering():
 
 
 def test_expert_engine_answers_a_task_with_a_search_call(expert_engine, tokenizer):
-    from bcstack.toyworld.policies import WORKER_TASK_TEMPLATE
+    from devkit.toyworld.policies import WORKER_TASK_TEMPLATE
 
     question = expert_engine["world"].test[0]["query"]
     messages = [{"role": "user", "content": WORKER_TASK_TEMPLATE.format(question=question)}]

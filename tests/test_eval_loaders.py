@@ -23,7 +23,7 @@ from bcstack.evaluation.loaders import (
     load_questions,
     tier_of,
 )
-from bcstack.toyworld.generator import generate_world, write_world
+from devkit.toyworld.generator import generate_world, write_world
 
 # Made up for these tests; the benchmark's real canary string appears nowhere in the repository.
 PASSWORD = "not-the-canary: a made-up test password ✓"

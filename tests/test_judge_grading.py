@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bcstack.toyworld.generator import generate_world
-from services.judge.grading import (
+from core.grading import (
     CONTRIBUTION_SCALE,
     AnswerVerdict,
     ContributionVerdict,
@@ -29,6 +28,7 @@ from services.judge.grading import (
     rule_answer,
     rule_contribution,
 )
+from devkit.toyworld.generator import generate_world
 
 VERDICT = """extracted_final_answer: Kleiranax
 reasoning: The response names Kleiranax, which is the correct answer.

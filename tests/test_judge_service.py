@@ -21,8 +21,8 @@ from fake_openai import Reply, ScriptedLLM, completion, serving_uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from stack_util import bcstack_process
 
-from bcstack.v1 import judge_pb2, judge_pb2_grpc
-from services.common.settings import load_settings
+from core.kit.settings import load_settings
+from core.v1 import judge_pb2, judge_pb2_grpc
 from services.judge.core import GraderUnavailable
 from services.judge.service import build
 from services.judge.settings import JudgeSettings

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from PIL import Image
 from typer.testing import CliRunner
 
-from bcstack.v1 import retrieval_pb2, retrieval_pb2_grpc
+from core.v1 import retrieval_pb2, retrieval_pb2_grpc
 from services.retrieval import loadtest
 from services.retrieval.loadtest import LoadTestConfig, LoadTestConfigError, run_loadtest
 from services.retrieval.loadtest_cli import app as loadtest_app

@@ -22,11 +22,11 @@ import pytest
 from typer.testing import CliRunner
 
 from bcstack.cli import app
-from bcstack.modelkit.build import MANIFEST_FILE, build_tiny_kit
-from bcstack.modelkit.chat_template import load_chat_template, render_chat
-from bcstack.modelkit.corpus import DEFAULT_TOY_WORLD, toy_world_corpus
-from bcstack.modelkit.model import padded_vocab_size
-from bcstack.modelkit.tokenizer import ADDED_TOKENS, CONTROL_TOKENS, SPECIAL_TOKENS
+from core.chat_template import load_chat_template, render_chat
+from devkit.modelkit.build import MANIFEST_FILE, build_tiny_kit
+from devkit.modelkit.corpus import DEFAULT_TOY_WORLD, toy_world_corpus
+from devkit.modelkit.model import padded_vocab_size
+from devkit.modelkit.tokenizer import ADDED_TOKENS, CONTROL_TOKENS, SPECIAL_TOKENS
 
 KIT_FILES = {
     "config.json",
@@ -351,9 +351,9 @@ def test_default_corpus_is_the_toy_world(monkeypatch: pytest.MonkeyPatch) -> Non
             corpus=[{"docid": "7", "text": "Kalo Ter", "url": "https://toy.example/7"}]
         )
 
-    fake = types.ModuleType("bcstack.toyworld.generator")
+    fake = types.ModuleType("devkit.toyworld.generator")
     fake.generate_world = generate_world
-    monkeypatch.setitem(sys.modules, "bcstack.toyworld.generator", fake)
+    monkeypatch.setitem(sys.modules, "devkit.toyworld.generator", fake)
     corpus = toy_world_corpus()
     assert calls == [DEFAULT_TOY_WORLD] == [{"n_docs": 2000, "seed": 0}]
     assert corpus.source == "toyworld"

@@ -1,4 +1,4 @@
-"""The bcstack.v1 gRPC contracts: stubs are current, services exist, messages round-trip."""
+"""The core.v1 gRPC contracts: stubs are current, services exist, messages round-trip."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bcstack import protogen
-from bcstack.v1 import (
+from core.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -48,7 +48,7 @@ def test_checked_in_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
     fresh = protogen.generate(tmp_path)
     checked_in = protogen.generated_files(REPO)
     assert [p.name for p in fresh] == [p.name for p in checked_in], (
-        "the set of stubs in bcstack/v1 differs from proto/: run `make proto`"
+        "the set of stubs in core/v1 differs from proto/: run `make proto`"
     )
     stale = [
         str(p.relative_to(REPO))
@@ -72,15 +72,15 @@ def test_protogen_check_reports_a_stale_stub(tmp_path: Path, capsys: pytest.Capt
         dst.write_bytes(src.read_bytes())
     protogen.write_stubs(repo)
     assert protogen.stale_files(repo) == []
-    (repo / "bcstack" / "v1" / "judge_pb2.py").write_text("# edited by hand\n")
-    (repo / "bcstack" / "v1" / "gone_pb2.py").write_text("# no proto behind it\n")
-    assert protogen.stale_files(repo) == ["bcstack/v1/gone_pb2.py", "bcstack/v1/judge_pb2.py"]
+    (repo / "core" / "v1" / "judge_pb2.py").write_text("# edited by hand\n")
+    (repo / "core" / "v1" / "gone_pb2.py").write_text("# no proto behind it\n")
+    assert protogen.stale_files(repo) == ["core/v1/gone_pb2.py", "core/v1/judge_pb2.py"]
 
 
 def test_generated_imports_are_absolute() -> None:
-    text = (REPO / "bcstack" / "v1" / "worker_pb2_grpc.py").read_text()
-    assert "from bcstack.v1 import worker_pb2" in text
-    assert "from bcstack.v1 import common_pb2" in (REPO / "bcstack" / "v1" / "worker_pb2.py").read_text()
+    text = (REPO / "core" / "v1" / "worker_pb2_grpc.py").read_text()
+    assert "from core.v1 import worker_pb2" in text
+    assert "from core.v1 import common_pb2" in (REPO / "core" / "v1" / "worker_pb2.py").read_text()
 
 
 # Methods that stream their responses back (the rest are unary).

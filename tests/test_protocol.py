@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common import protocol as p
+from core import protocol as p
 
 # --- parsing -------------------------------------------------------------------------------------
 

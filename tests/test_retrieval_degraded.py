@@ -14,8 +14,8 @@ import httpx
 import pytest
 from osmem_util import CLIENT_OPTIONS, osmem_server
 
-from bcstack.toyworld.generator import generate_world
-from services.common.metrics import new_registry
+from core.kit.metrics import new_registry
+from devkit.toyworld.generator import generate_world
 from services.retrieval.core import RetrievalMetrics, SearchCore, SearchQuery, Unavailable
 from services.retrieval.embedder import HashingEmbedder
 from services.retrieval.index import ingest, open_index

@@ -20,8 +20,8 @@ import pytest
 from conftest import find_free_port, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bcstack.toyworld.generator import generate_world, write_world
-from bcstack.v1 import retrieval_pb2, retrieval_pb2_grpc
+from core.v1 import retrieval_pb2, retrieval_pb2_grpc
+from devkit.toyworld.generator import generate_world, write_world
 
 N_DOCS = 2000
 

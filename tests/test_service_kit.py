@@ -1,4 +1,4 @@
-"""The shared service kit (services/common): settings, logging, metrics, auth, HTTP and gRPC edges.
+"""The shared service kit (core/kit): settings, logging, metrics, auth, HTTP and gRPC edges.
 
 Every test starts and stops its own servers on free loopback ports.
 """
@@ -31,19 +31,19 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import generate_latest
 from pydantic import BaseModel, Field, SecretStr
 
-from bcstack.v1 import judge_pb2, judge_pb2_grpc
-from services.common import logging as kit_logging
-from services.common.auth import require_admin
-from services.common.grpc_server import GrpcServer, aio_channel, service_full_name
-from services.common.http import create_app, uvicorn_server
-from services.common.metrics import new_registry, start_metrics_server
-from services.common.settings import (
+from core.kit import logging as kit_logging
+from core.kit.auth import require_admin
+from core.kit.grpc_server import GrpcServer, aio_channel, service_full_name
+from core.kit.http import create_app, uvicorn_server
+from core.kit.metrics import new_registry, start_metrics_server
+from core.kit.settings import (
     ServiceSettings,
     SettingsError,
     env_var_name,
     load_settings,
     settings_help,
 )
+from core.v1 import judge_pb2, judge_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "tok-3f9a1c77e2b04d51"
@@ -142,7 +142,7 @@ def test_a_misspelt_environment_variable_is_an_error_not_a_silent_default(
     assert "did you mean BCSTACK_KIT_TEST_BATCH_SIZE?" in message and "\n" not in message
     monkeypatch.delenv("BCSTACK_KIT_TEST_BATCH_SIZ")
     # another service's variables share a prefix with a shorter service name: not typos
-    from services.common.settings import unknown_env_settings
+    from core.kit.settings import unknown_env_settings
     from services.coordinator.settings import CoordinatorSettings
 
     environ = {"BCSTACK_COORDINATOR_LLM_FAIL_RATE": "0.5", "BCSTACK_COORDINATOR_WORKERS": "a:1"}
@@ -439,11 +439,11 @@ def test_standalone_metrics_server_for_grpc_only_processes() -> None:
 SIGTERM_SERVICE = textwrap.dedent(
     """
     import asyncio, pathlib, sys
-    from bcstack.v1 import judge_pb2, judge_pb2_grpc
-    from services.common.grpc_server import GrpcServer
-    from services.common.http import create_app
-    from services.common.runner import run_service
-    from services.common.settings import ServiceSettings, load_settings
+    from core.v1 import judge_pb2, judge_pb2_grpc
+    from core.kit.grpc_server import GrpcServer
+    from core.kit.http import create_app
+    from core.kit.runner import run_service
+    from core.kit.settings import ServiceSettings, load_settings
 
     http_port, grpc_port, marker = int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3])
 

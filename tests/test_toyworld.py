@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from toy_env import ToyRetrieval, run_worker_episode
 
-from bcstack.toyworld import grammar as g
-from bcstack.toyworld.generator import TEST_SOURCES, ToyWorldError, generate_world, load_jsonl, write_world
-from bcstack.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy, scripted_coordinator_policy
-from services.common import protocol as p
+from core import protocol as p
+from devkit.toyworld import grammar as g
+from devkit.toyworld.generator import TEST_SOURCES, ToyWorldError, generate_world, load_jsonl, write_world
+from devkit.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy, scripted_coordinator_policy
 
 
 @pytest.fixture(scope="module")

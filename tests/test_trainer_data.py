@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.coordinator.records import RecordStore
+from core.record_store import RecordStore
 from trainer.data import Sample, SampleError, group_samples, load_samples, samples_from_record
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import trainer.export as export_module
-from bcstack.modelkit.build import build_tiny_kit
+from devkit.modelkit.build import build_tiny_kit
 from trainer.cli import app
 from trainer.export import (
     SUMS_FILE,

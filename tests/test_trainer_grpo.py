@@ -145,7 +145,7 @@ def test_bad_input_is_one_error_line(stack: dict[str, Path], tmp_path: Path, cas
         records = tmp_path / "empty.jsonl"
         records.write_text("")
     elif case == "no gold":
-        from services.coordinator.records import RecordStore
+        from core.record_store import RecordStore
 
         with RecordStore(stack["records"]) as store:
             record = store.get(store.list(limit=1)[0]["episode_id"])

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from bcstack.modelkit.build import build_tiny_kit
+from devkit.modelkit.build import build_tiny_kit
 from trainer.data import Sample
 from trainer.packing import (
     first_fit_pack,

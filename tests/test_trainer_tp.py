@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from bcstack.modelkit.build import build_tiny_kit
+from devkit.modelkit.build import build_tiny_kit
 from trainer.parallel import QWEN3_TP_PLAN, causal_lm_loss, init_distributed, loss_context
 
 WORKER = Path(__file__).with_name("tp_worker.py")

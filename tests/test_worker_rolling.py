@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from typer.testing import CliRunner
 
-from bcstack.modelkit.build import build_tiny_kit
+from devkit.modelkit.build import build_tiny_kit
 from services.worker.reload_cli import app
 from services.worker.watch import CheckpointWatcher
 from trainer.export import SUMS_FILE, VerifyError, export_checkpoint, verify_checkpoint

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import pytest
 from toy_env import ToyRetrieval
 
-from bcstack.modelkit.build import build_tiny_kit
-from bcstack.modelkit.chat_template import render_chat
-from bcstack.toyworld.generator import generate_world
-from bcstack.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy
-from services.common import protocol as p
-from services.common.budget import BudgetLimits
+from core import protocol as p
+from core.budget import BudgetLimits
+from core.chat_template import render_chat
+from devkit.modelkit.build import build_tiny_kit
+from devkit.toyworld.generator import generate_world
+from devkit.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy
 from services.worker.engine_client import EngineError, EngineUnavailable
 from services.worker.prompts import WORKER_SYSTEM_PROMPT
 from services.worker.retrieval_client import RetrievalFailed

@@ -25,9 +25,9 @@ from prom_util import prometheus, query
 from prometheus_client.parser import text_string_to_metric_families
 from stack_util import bcstack_process
 
-from bcstack.toyworld.policies import WORKER_TASK_TEMPLATE
-from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common import protocol as p
+from core import protocol as p
+from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from devkit.toyworld.policies import WORKER_TASK_TEMPLATE
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.common import protocol as p
+from core import protocol as p
 
 _TOKEN = re.compile(r"[a-z0-9]+")
 

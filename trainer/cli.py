@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from services.common.cli import fail
+from core.kit.cli import fail
 
 app = typer.Typer(
     help="Trainer checkpoints: export to the serving format (BF16 safetensors) and verify.",

@@ -219,7 +219,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _sqlite_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    from services.coordinator.records import RecordStore
+    from core.record_store import RecordStore
 
     with RecordStore(path) as store:
         # list() is newest first; the trainer reads in the order episodes finished.
@@ -250,7 +250,7 @@ def load_samples(
     """Samples from a file of episode records, and counts of what happened to every trajectory.
 
     `path` is a JSONL file (one episode record per line) or the coordinator's SQLite record file
-    (`services.coordinator.records.RecordStore`), told apart by the SQLite header. `rewards` maps
+    (`core.record_store.RecordStore`), told apart by the SQLite header. `rewards` maps
     episode id to episode reward (records without an entry use their own `reward`, or None);
     `contributions` maps worker episode id to contribution score.
 

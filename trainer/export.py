@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bcstack.atomic import swap_in
+from core.atomic import swap_in
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

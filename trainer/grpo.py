@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from services.common.budget import BudgetLimits
+from core.budget import BudgetLimits
 from trainer.advantages import EpisodeCredit, HierarchicalCredit, hierarchical_credit
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.data import Sample, group_samples, load_samples, read_records
@@ -105,7 +105,7 @@ Grader = Callable[[Mapping[str, Any]], EpisodeGrades]
 
 def final_response(record: Mapping[str, Any]) -> str:
     """The episode's final answer in the BrowseComp answer format the graders read."""
-    from bcstack.evaluation.runner import response_text
+    from core.grading import response_text
 
     return response_text(
         str(record.get("answer") or ""),
@@ -126,8 +126,7 @@ def rule_grades(record: Mapping[str, Any]) -> EpisodeGrades:
     """The rule grader (the embedded judge's backend): normalized exact or numeric answer match for
     the reward; for each worker, decisive (1.0) if its report contains the gold answer, marginal if
     it contains only the (wrong) final answer, none (0.0) otherwise."""
-    from services.judge.core import RULE_VERSION
-    from services.judge.grading import rule_answer, rule_contribution
+    from core.grading import RULE_VERSION, rule_answer, rule_contribution
 
     gold = str(record["gold_answer"])
     verdict = rule_answer(final_response(record), gold, RULE_VERSION)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import fail
+from core.kit.cli import fail
 
 app = typer.Typer(
     help="Evaluation rounds through the gateway and the judge, and the seed-001 table.", no_args_is_help=True

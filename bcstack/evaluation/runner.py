@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from bcstack.evaluation.loaders import EvalQuestion
+from core.grading import response_text
 
 JUDGEMENTS = "judgements.jsonl"
 META = "eval.json"
@@ -45,11 +46,6 @@ class EvalRunError(RuntimeError):
 class Task:
     question: EvalQuestion
     round: int
-
-
-def response_text(answer: str, explanation: str, confidence: str) -> str:
-    """The final answer in the BrowseComp answer format the grader template expects."""
-    return f"Explanation: {explanation}\nExact Answer: {answer}\nConfidence: {confidence or '0%'}"
 
 
 def run_file(record: dict[str, Any], query_id: str) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import fail, load_or_fail, settings_epilog
+from core.kit.cli import fail, load_or_fail, settings_epilog
 from services.coordinator.settings import CoordinatorSettings
 
 
@@ -32,9 +32,9 @@ def serve(
     config: Path = typer.Option(None, "--config", help="YAML settings file (e.g. the endpoint registry)."),
 ) -> None:
     """Run coordinator episodes: the coordinator LLM branches research to workers and finishes."""
-    from services.common.runner import run_service
-    from services.common.upstream import UpstreamError
-    from services.coordinator.records import RecordStoreError
+    from core.kit.runner import run_service
+    from core.kit.upstream import UpstreamError
+    from core.record_store import RecordStoreError
     from services.coordinator.registry import RegistryError
     from services.coordinator.service import build
 

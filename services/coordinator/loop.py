@@ -2,7 +2,7 @@
 
 A plain module: the chat call and the branch dispatch are passed in, so the loop knows nothing of
 HTTP, gRPC or the registry. The protocol is DESIGN.md §3's, parsed with the shared parser
-(`services.common.protocol`): every assistant turn is parsed for `branch(description, prompt)` and
+(`core.protocol`): every assistant turn is parsed for `branch(description, prompt)` and
 `finish(answer, explanation, confidence)` calls; several branches in one turn run concurrently;
 their reports come back as the next user message, in the order the calls were written.
 
@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bcstack.v1 import worker_pb2
-from services.common import protocol as p
+from core import protocol as p
+from core.v1 import worker_pb2
 
 COORDINATOR_SYSTEM_PROMPT = """\
 You are the coordinator of a team of research workers answering a hard question that needs \
@@ -66,7 +66,7 @@ class BranchResult(Protocol):
 
 
 class ChatReply(Protocol):
-    """What a chat call returns (services.common.upstream.ChatResult)."""
+    """What a chat call returns (core.kit.upstream.ChatResult)."""
 
     content: str
     prompt_tokens: int

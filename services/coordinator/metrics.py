@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from services.common.metrics import LATENCY_BUCKETS_SECONDS
+from core.kit.metrics import LATENCY_BUCKETS_SECONDS
 from services.coordinator.loop import STATUSES, CoordinatorEpisode
 
 COUNT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

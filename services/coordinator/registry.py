@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from services.common.upstream import CircuitBreaker, EndpointSpec, UpstreamClient, UpstreamError, read_api_key
+from core.kit.upstream import CircuitBreaker, EndpointSpec, UpstreamClient, UpstreamError, read_api_key
 
 log = logging.getLogger("bcstack.coordinator")
 

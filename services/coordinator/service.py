@@ -3,7 +3,7 @@
 Thin transport around `GatewayCore`, which runs one episode: it leases the active endpoint from
 the registry (a swap never touches an episode in flight), runs `loop.run_episode` with that
 endpoint's chat client and the worker pool as the branch dispatcher, writes the record durably
-(`records.RecordStore`: SQLite, fsync on commit) and only then answers.
+(`core.record_store.RecordStore`: SQLite, fsync on commit) and only then answers.
 
 HTTP: `POST /v1/episodes` (`?stream=true`: server-sent events), `GET /v1/episodes/{id}` (the
 stored record), `GET /v1/episodes` (summaries), `GET|PUT /admin/coordinator` (bearer token),
@@ -28,15 +28,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
-from bcstack.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
-from services.common.auth import require_admin
-from services.common.grpc_server import GrpcServer
-from services.common.http import create_app
-from services.common.metrics import new_registry
-from services.common.upstream import EndpointSpec
+from core.kit.auth import require_admin
+from core.kit.grpc_server import GrpcServer
+from core.kit.http import create_app
+from core.kit.metrics import new_registry
+from core.kit.upstream import EndpointSpec
+from core.record_store import RecordStore, RecordStoreError
+from core.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from services.coordinator.loop import Branch, CoordinatorEpisode, LoopLimits, run_episode
 from services.coordinator.metrics import CoordinatorMetrics
-from services.coordinator.records import RecordStore, RecordStoreError
 from services.coordinator.registry import Endpoint, EndpointRegistry, RegistryError
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.workers import WorkerPool

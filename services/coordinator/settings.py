@@ -17,8 +17,8 @@ from typing import Annotated, ClassVar
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from services.common.settings import ServiceSettings
-from services.common.upstream import EndpointSpec
+from core.kit.settings import ServiceSettings
+from core.kit.upstream import EndpointSpec
 
 
 class CoordinatorSettings(ServiceSettings):

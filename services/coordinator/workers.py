@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from bcstack.v1 import worker_pb2, worker_pb2_grpc
-from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, aio_channel
+from core.kit.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, aio_channel
+from core.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

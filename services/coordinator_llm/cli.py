@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import load_or_fail, settings_epilog
+from core.kit.cli import load_or_fail, settings_epilog
 from services.coordinator_llm.settings import CoordinatorLlmSettings
 
 
@@ -30,7 +30,7 @@ def serve(
     config: Path = typer.Option(None, "--config", help="YAML settings file."),
 ) -> None:
     """Serve an OpenAI-compatible /v1/chat/completions answered by a scripted coordinator policy."""
-    from services.common.runner import run_service
+    from core.kit.runner import run_service
     from services.coordinator_llm.service import build_app
 
     settings = load_or_fail(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from services.common.metrics import LATENCY_BUCKETS_SECONDS
+from core.kit.metrics import LATENCY_BUCKETS_SECONDS
 
 # ok / length: answered (length = cut at max_tokens); invalid: refused with 400/404/422;
 # unauthorized: 401; fault_*: an injected fault; error: an unexpected server error.

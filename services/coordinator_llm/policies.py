@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from bcstack.toyworld.policies import scripted_coordinator_policy
+from devkit.toyworld.policies import scripted_coordinator_policy
 from services.coordinator_llm.settings import CoordinatorLlmSettings
 
 Message = dict[str, str]

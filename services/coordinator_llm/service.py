@@ -37,9 +37,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from services.common.auth import bearer_token, token_matches
-from services.common.http import create_app
-from services.common.metrics import new_registry
+from core.kit.auth import bearer_token, token_matches
+from core.kit.http import create_app
+from core.kit.metrics import new_registry
 from services.coordinator_llm import protocol as proto
 from services.coordinator_llm.faults import GARBAGE_CONTENT, FaultInjector
 from services.coordinator_llm.metrics import CoordinatorLlmMetrics

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from services.common.settings import OptionalSecret, ServiceSettings
+from core.kit.settings import OptionalSecret, ServiceSettings
 
 Policy = Literal["scripted"]
 FailMode = Literal["http500", "http429", "garbage", "hang"]

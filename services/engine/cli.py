@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import fail, load_or_fail, settings_epilog
+from core.kit.cli import fail, load_or_fail, settings_epilog
 from services.engine.settings import EngineSettings
 
 
@@ -35,7 +35,7 @@ def serve(
     config: Path = typer.Option(None, "--config", help="YAML settings file."),
 ) -> None:
     """Serve SGLang's native API (/generate, weights, pause) from a CPU model or a scripted policy."""
-    from services.common.runner import run_service
+    from core.kit.runner import run_service
     from services.engine.core import check_world
     from services.engine.service import build
     from services.engine.settings import source_problem

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.metrics import LATENCY_BUCKETS_SECONDS
+from core.kit.metrics import LATENCY_BUCKETS_SECONDS
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

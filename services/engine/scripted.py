@@ -1,7 +1,7 @@
 """The scripted engine: a toy-world policy served behind the same `/generate` as a model.
 
 `bcstack serve engine --policy expert --tokenizer DIR` answers token-in-token-out requests with
-the toy world's expert worker (`bcstack.toyworld.policies.expert_worker_policy`): the prompt ids
+the toy world's expert worker (`devkit.toyworld.policies.expert_worker_policy`): the prompt ids
 are decoded, the Qwen3 ChatML rendering is read back into `{"role", "content"}` messages, the
 policy writes the next assistant message, and its tokens followed by `<|im_end|>` (EOS) are
 emitted one per decode step with log-prob 0.0 (the policy is deterministic). `max_new_tokens`,
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from bcstack.modelkit.tokenizer import IM_END, IM_START
+from devkit.modelkit.tokenizer import IM_END, IM_START
 from services.engine.models import Choice
 from services.engine.sequence import Sequence
 
@@ -42,7 +42,7 @@ def parse_chatml(text: str) -> list[Message]:
 
 
 def expert_policy() -> Policy:
-    from bcstack.toyworld.policies import expert_worker_policy
+    from devkit.toyworld.policies import expert_worker_policy
 
     return expert_worker_policy
 

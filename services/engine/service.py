@@ -42,9 +42,9 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from services.common.auth import bearer_token, require_admin, token_matches
-from services.common.http import create_app
-from services.common.metrics import new_registry
+from core.kit.auth import bearer_token, require_admin, token_matches
+from core.kit.http import create_app
+from core.kit.metrics import new_registry
 from services.engine import protocol as proto
 from services.engine.core import EngineCore, EngineUnavailable
 from services.engine.metrics import EngineMetrics

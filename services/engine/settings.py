@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
 
-from services.common.settings import ServiceSettings
+from core.kit.settings import ServiceSettings
 
 Policy = Literal["expert"]
 Dtype = Literal["auto", "float32", "bfloat16"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import fail, load_or_fail, settings_epilog
+from core.kit.cli import fail, load_or_fail, settings_epilog
 from services.judge.settings import JudgeSettings
 
 
@@ -25,8 +25,8 @@ def serve(
     config: Path = typer.Option(None, "--config", help="YAML settings file."),
 ) -> None:
     """Grade final answers (BrowseComp template) and worker contributions, with a cache."""
-    from services.common.runner import run_service
-    from services.common.upstream import UpstreamError
+    from core.kit.runner import run_service
+    from core.kit.upstream import UpstreamError
     from services.judge.cache import CacheError
     from services.judge.service import build
 

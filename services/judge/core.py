@@ -19,14 +19,12 @@ from typing import Any
 
 from aiolimiter import AsyncLimiter
 
-from services.common.upstream import CircuitBreaker, UpstreamClient, UpstreamError, resolve_api_key
-from services.judge import grading as g
+from core import grading as g
+from core.grading import EXACT_VERSION, RULE_VERSION  # noqa: F401 - re-exported for the service
+from core.kit.upstream import CircuitBreaker, UpstreamClient, UpstreamError, resolve_api_key
 from services.judge.cache import VerdictCache
 from services.judge.metrics import JudgeMetrics
 from services.judge.settings import JudgeSettings
-
-RULE_VERSION = "rule-v1"  # normalized exact + numeric match; bump when the rules change
-EXACT_VERSION = "exact-v1"  # the fast path's version, whatever the backend
 
 
 class GraderUnavailable(RuntimeError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.metrics import LATENCY_BUCKETS_SECONDS
+from core.kit.metrics import LATENCY_BUCKETS_SECONDS
 
 GRADERS = ("answer", "contribution")
 BREAKER_STATES = ("closed", "half_open", "open")

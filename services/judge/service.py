@@ -18,13 +18,13 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bcstack.v1 import judge_pb2, judge_pb2_grpc
-from services.common.grpc_server import GrpcServer
-from services.common.http import create_app
-from services.common.metrics import new_registry
+from core.grading import AnswerVerdict, ContributionVerdict
+from core.kit.grpc_server import GrpcServer
+from core.kit.http import create_app
+from core.kit.metrics import new_registry
+from core.v1 import judge_pb2, judge_pb2_grpc
 from services.judge.cache import VerdictCache
 from services.judge.core import GraderUnavailable, Judge, OpenAIGrader
-from services.judge.grading import AnswerVerdict, ContributionVerdict
 from services.judge.metrics import JudgeMetrics
 from services.judge.settings import JudgeSettings
 

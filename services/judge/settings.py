@@ -12,8 +12,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from services.common.settings import ServiceSettings
-from services.common.upstream import EndpointSpec
+from core.kit.settings import ServiceSettings
+from core.kit.upstream import EndpointSpec
 
 Backend = Literal["rule", "openai"]
 

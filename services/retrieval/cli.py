@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import fail, load_or_fail, settings_epilog
+from core.kit.cli import fail, load_or_fail, settings_epilog
 from services.retrieval.settings import RetrievalSettings
 
 
@@ -98,7 +98,7 @@ def serve(
     config: Path = typer.Option(None, "--config", help="YAML settings file."),
 ) -> None:
     """Serve search and open_page over HTTP (FoldAgent-compatible /search, /open; /v1/search) and gRPC."""
-    from services.common.runner import run_service
+    from core.kit.runner import run_service
     from services.retrieval.index import RetrievalIndexError
     from services.retrieval.service import build
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import qdrant_edge as edge
 
-from services.common.logging import redact, register_secret
+from core.kit.logging import redact, register_secret
 from services.retrieval.backends import BackendUnavailable, Ranked
 
 # Qdrant's own default for HnswConfig.full_scan_threshold (KB of vectors).

@@ -34,7 +34,7 @@ from bm25s.stopwords import STOPWORDS_EN
 from elastic_transport import TransportError
 from elasticsearch import ApiError, BadRequestError, Elasticsearch, NotFoundError, helpers
 
-from services.common.logging import redact, register_secret
+from core.kit.logging import redact, register_secret
 from services.retrieval.backends import BackendUnavailable, Doc, Ranked
 
 log = logging.getLogger(__name__)

@@ -858,7 +858,7 @@ def _grpc_user(state: _RunState) -> type:
     import grpc
     from locust import User, constant, task
 
-    from bcstack.v1 import retrieval_pb2, retrieval_pb2_grpc
+    from core.v1 import retrieval_pb2, retrieval_pb2_grpc
 
     cfg = state.cfg
     mode = {

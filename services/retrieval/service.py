@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, Field
 
-from bcstack.v1 import retrieval_pb2, retrieval_pb2_grpc
-from services.common.grpc_server import GrpcServer
-from services.common.http import create_app
-from services.common.metrics import new_registry
+from core.kit.grpc_server import GrpcServer
+from core.kit.http import create_app
+from core.kit.metrics import new_registry
+from core.v1 import retrieval_pb2, retrieval_pb2_grpc
 from services.retrieval.core import (
     Hit,
     InvalidRequest,

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
 
-from services.common.settings import ServiceSettings
+from core.kit.settings import ServiceSettings
 
 LexicalBackend = Literal["embedded", "elasticsearch"]
 EmbedRuntime = Literal["onnx", "torch"]

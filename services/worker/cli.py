@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from services.common.cli import fail, load_or_fail, settings_epilog
+from core.kit.cli import fail, load_or_fail, settings_epilog
 from services.worker.settings import WorkerSettings
 
 
@@ -26,7 +26,7 @@ def serve(
     config: Path = typer.Option(None, "--config", help="YAML settings file."),
 ) -> None:
     """Run worker episodes (gRPC RunEpisode) against an SGLang-API engine and the retrieval service."""
-    from services.common.runner import run_service
+    from core.kit.runner import run_service
     from services.worker.service import build
 
     settings = load_or_fail(

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from services.common.cli import fail
+from core.kit.cli import fail
 from services.worker.rolling import (
     ReplicaDiscoveryError,
     ReplicaProgress,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from bcstack.v1 import retrieval_pb2, retrieval_pb2_grpc
-from services.common.grpc_server import aio_channel
-from services.common.protocol import Page
+from core.kit.grpc_server import aio_channel
+from core.protocol import Page
+from core.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,

@@ -27,9 +27,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bcstack.modelkit.chat_template import render_chat
-from services.common import protocol as p
-from services.common.budget import BudgetLimits, StopReason, TurnGrant, WorkerBudget
+from core import protocol as p
+from core.budget import BudgetLimits, StopReason, TurnGrant, WorkerBudget
+from core.chat_template import render_chat
 from services.worker.retrieval_client import RetrievalFailed, ToolInputRejected
 
 IM_END = "<|im_end|>"

@@ -24,13 +24,13 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, Field
 
-from bcstack.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common import protocol as p
-from services.common.auth import require_admin
-from services.common.budget import BudgetLimits
-from services.common.grpc_server import GrpcServer
-from services.common.http import create_app
-from services.common.metrics import new_registry
+from core import protocol as p
+from core.budget import BudgetLimits
+from core.kit.auth import require_admin
+from core.kit.grpc_server import GrpcServer
+from core.kit.http import create_app
+from core.kit.metrics import new_registry
+from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.prompts import WORKER_SYSTEM_PROMPT
 from services.worker.reload import OUTCOMES, Outcome, ReloadManager, ReloadRefused
 from services.worker.runner import (

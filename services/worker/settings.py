@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from services.common.settings import ServiceSettings
+from core.kit.settings import ServiceSettings
 
 
 class WorkerSettings(ServiceSettings):

@@ -1,0 +1,164 @@
+"""The HTTP edge every service shares: a FastAPI app with /health, /metrics, request metrics,
+JSON errors and a request body limit, and the uvicorn runner.
+
+    app = create_app("judge", settings, registry)
+    @app.post("/v1/grade")
+    async def grade(body: GradeRequest) -> GradeResponse: ...
+    serve_http(app, settings)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from core import __version__
+from core.kit.metrics import PrometheusMiddleware, add_metrics_route, new_registry
+from core.kit.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+HealthCheck = Callable[[], Mapping[str, Any] | Awaitable[Mapping[str, Any]]]
+
+
+def create_app(
+    service_name: str,
+    settings: ServiceSettings,
+    registry: CollectorRegistry | None = None,
+    *,
+    version: str = __version__,
+    health_check: HealthCheck | None = None,
+    **fastapi_kwargs: Any,
+) -> FastAPI:
+    """A FastAPI app for `service_name` with the shared routes, middleware and error handling.
+
+    - GET /health -> {"status": "ok", "service", "version"}, merged with what `health_check`
+      returns; a `status` other than "ok" from it answers 503 (a readiness probe then fails).
+    - GET /metrics -> `registry` (a new one when None; kept on `app.state.registry`).
+    - Request bodies above `settings.max_request_bytes` get 413.
+    - Validation errors get 422 `{"detail": [{"loc", "msg", "type"}]}`, without echoing input.
+    - `app.state` holds service_name, settings, registry and admin_token (for `require_admin`).
+    Extra keyword arguments (lifespan, title, ...) go to FastAPI.
+    """
+    registry = registry if registry is not None else new_registry()
+    fastapi_kwargs.setdefault("title", f"bcstack {service_name}")
+    app = FastAPI(version=version, **fastapi_kwargs)
+    app.state.service_name = service_name
+    app.state.settings = settings
+    app.state.registry = registry
+    app.state.admin_token = settings.admin_token
+
+    # Added last = outermost: metrics also count the 413s answered by the size check.
+    app.add_middleware(BodySizeLimit, max_body_size=settings.max_request_bytes)
+    app.add_middleware(PrometheusMiddleware, service=service_name, registry=registry)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> JSONResponse:
+        body: dict[str, Any] = {"status": "ok", "service": service_name, "version": version}
+        if health_check is not None:
+            extra = health_check()
+            if inspect.isawaitable(extra):
+                extra = await extra
+            body.update(extra)
+        return JSONResponse(body, status_code=200 if body.get("status") == "ok" else 503)
+
+    add_metrics_route(app, registry)
+    return app
+
+
+class BodySizeLimit:
+    """413 `{"detail": ...}` for a request body over `max_body_size` bytes.
+
+    A declared Content-Length over the limit is refused before routing; a chunked body is
+    counted as the app reads it and refused at the chunk that crosses the limit. FastAPI has a
+    `max_body_size` of its own, but it answers in plain text from outside every middleware;
+    this keeps one JSON error shape and lets the metrics middleware count the 413s.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_size: int) -> None:
+        self.app = app
+        self.max_body_size = max_body_size
+
+    def _too_large(self, size: int | str) -> str:
+        return f"request body of {size} bytes is over the {self.max_body_size}-byte limit"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_size:
+            await JSONResponse({"detail": self._too_large(declared)}, status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_size:
+                    # FastAPI re-raises an HTTPException met while reading the body, and the
+                    # exception middleware turns it into the JSON 413.
+                    raise HTTPException(413, detail=self._too_large(f"at least {received}"))
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    # No "input": a request body can be large or hold a secret, and the client has it already.
+    detail = [
+        {"loc": list(err.get("loc", ())), "msg": err.get("msg", ""), "type": err.get("type", "")}
+        for err in exc.errors()
+    ]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette's ServerErrorMiddleware calls this, then re-raises, so uvicorn still logs the traceback.
+    return JSONResponse({"detail": "internal server error"}, status_code=500)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: `runner.serve` owns SIGTERM/SIGINT so that the
+    HTTP and gRPC servers of one process stop together, within one grace period."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def uvicorn_server(app: Any, settings: ServiceSettings, **config: Any) -> uvicorn.Server:
+    """A uvicorn server for `app` on settings.host:settings.port; run it with `await server.serve()`.
+
+    Logging is left to `setup_logging` (uvicorn's loggers propagate to the root handler and its
+    redaction filter). Stop it by setting `server.should_exit = True`.
+    """
+    config.setdefault("log_config", None)
+    config.setdefault("log_level", settings.log_level.lower())
+    config.setdefault("timeout_graceful_shutdown", settings.shutdown_grace_seconds)
+    config.setdefault("server_header", False)
+    config.setdefault("timeout_keep_alive", settings.http_keep_alive_seconds)
+    return _Uvicorn(uvicorn.Config(app, host=settings.host, port=settings.port, **config))
+
+
+def serve_http(app: Any, settings: ServiceSettings) -> None:
+    """Run `app` until SIGTERM/SIGINT, then let in-flight requests finish (blocking)."""
+    from core.kit.runner import run_service
+
+    run_service(settings, http_app=app)

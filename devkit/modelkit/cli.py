@@ -1,0 +1,98 @@
+"""`bcstack model ...`: build the tiny Qwen3-architecture model kit for the embedded default.
+
+torch and transformers are imported inside the command so that `bcstack --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+app = typer.Typer(
+    help="Model kits: build the tiny Qwen3-architecture model for the embedded default.", no_args_is_help=True
+)
+
+
+@app.callback()
+def _group() -> None:
+    # A callback keeps `model` a command group even while it holds a single command.
+    pass
+
+
+_TINY_HELP = (
+    "Build a tiny Qwen3 model, its tokenizer and chat template, locally and deterministically.\n\n"
+    "Trains a byte-level BPE tokenizer with Qwen3's special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, "
+    "<think>, </think>, <tool_call>, <tool_response>, ...) on the corpus, attaches the keep-thinking "
+    "Qwen3 chat template and saves a randomly initialised Qwen3ForCausalLM (float32 safetensors) with "
+    "bcstack_model.json, a manifest of what built it.\n\n"
+    "Nothing is downloaded. The same arguments always give byte-identical files. The folder loads with "
+    "transformers' AutoTokenizer and AutoModelForCausalLM and is served by the embedded CPU engine."
+)
+
+
+@app.command("tiny", help=_TINY_HELP)
+def tiny(
+    out: Path = typer.Option(
+        ..., "--out", help="Folder to write the kit into. Must be missing or empty unless --force is given."
+    ),
+    corpus: Path | None = typer.Option(
+        None,
+        "--corpus",
+        help=(
+            "BrowseComp-Plus corpus JSONL (one object per line with docid, text, url) to train the tokenizer "
+            "on. Default: the toy world's corpus, generate_world(n_docs=2000, seed=0)."
+        ),
+        show_default=False,
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the model's random initialisation."),
+    vocab_size: int = typer.Option(
+        4096,
+        "--vocab-size",
+        min=256,
+        help="Byte-level BPE vocabulary (256 bytes + merges); Qwen3's 9 added tokens come on top.",
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder."),
+) -> None:
+    """Build the tiny model kit (see _TINY_HELP)."""
+    from devkit.modelkit.build import MANIFEST_FILE, OutputDirError, build_tiny_kit
+    from devkit.modelkit.corpus import CorpusError
+
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    stage: dict[str, float | str] = {}
+
+    def close_stage() -> None:
+        if stage:
+            console.print(
+                f"[green]✓[/] {stage['name']} ({time.perf_counter() - stage['at']:.1f} s)", highlight=False
+            )
+
+    with console.status("Starting …") as status:
+
+        def step(description: str) -> None:
+            close_stage()
+            stage.update(name=description, at=time.perf_counter())
+            status.update(f"{description} …")
+
+        try:
+            manifest = build_tiny_kit(
+                out, corpus_path=corpus, seed=seed, bpe_vocab_size=vocab_size, force=force, step=step
+            )
+        except (CorpusError, OutputDirError) as error:
+            console.print("[red]error:[/]", escape(str(error)), highlight=False, soft_wrap=True)
+            raise typer.Exit(code=1) from None
+        close_stage()
+
+    model = manifest["model"]
+    tokenizer = manifest["tokenizer"]
+    console.print(
+        f"Wrote {escape(str(out))} in {time.perf_counter() - started:.1f} s: {model['architecture']} with "
+        f"{model['parameters']:,} parameters ({model['dtype']}), {tokenizer['size']:,} tokens "
+        f"(config vocab_size {model['config_vocab_size']:,}), "
+        f"corpus {manifest['corpus']['documents']:,} documents. Manifest: {escape(str(out / MANIFEST_FILE))}",
+        highlight=False,
+    )
