@@ -21,9 +21,10 @@ demo: install  ## the main job on embedded defaults
 test: install  ## the whole test suite
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
-lint: install  ## ruff
+lint: install  ## ruff, and the layer contracts (import-linter, pyproject.toml)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	lint-imports
 
 proto: install  ## regenerate the gRPC stubs in core/v1 from proto/
 	$(PYTHON) -m bcstack.protogen

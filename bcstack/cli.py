@@ -12,6 +12,7 @@ import typer
 
 from bcstack import __version__
 from bcstack.evaluation.cli import app as eval_app
+from core.kit.cli import ServeCommand
 from devkit.modelkit.cli import app as model_app
 from devkit.toyworld.cli import app as toyworld_app
 from services.coordinator import cli as coordinator_cli
@@ -38,12 +39,12 @@ app = typer.Typer(
 serve_app = typer.Typer(
     help="Start one service of the stack (each has --help with its settings).", no_args_is_help=True
 )
-serve_app.command("retrieval")(retrieval_cli.serve)
-serve_app.command("worker")(worker_cli.serve)
-serve_app.command("engine")(engine_cli.serve)
-serve_app.command("coordinator")(coordinator_cli.serve)
-serve_app.command("coordinator-llm")(coordinator_llm_cli.serve)
-serve_app.command("judge")(judge_cli.serve)
+serve_app.command("retrieval", cls=ServeCommand)(retrieval_cli.serve)
+serve_app.command("worker", cls=ServeCommand)(worker_cli.serve)
+serve_app.command("engine", cls=ServeCommand)(engine_cli.serve)
+serve_app.command("coordinator", cls=ServeCommand)(coordinator_cli.serve)
+serve_app.command("coordinator-llm", cls=ServeCommand)(coordinator_llm_cli.serve)
+serve_app.command("judge", cls=ServeCommand)(judge_cli.serve)
 
 app.add_typer(toyworld_app, name="toyworld")
 app.add_typer(model_app, name="model")

@@ -28,6 +28,7 @@ from bcstack.evaluation.cli import run_with_progress
 from bcstack.evaluation.loaders import TIERS, EvalQuestion, load_questions
 from bcstack.evaluation.report import build_report, render_markdown, write_report
 from bcstack.stack import StackError, down, read_state, up
+from core import budget
 
 
 def sample(questions: list[EvalQuestion], per_tier: int) -> list[EvalQuestion]:
@@ -91,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         _stage(
             f"3/4 evaluation: untrained tiny model, {which}; worker budget {args.tiny_max_tokens} tokens / "
-            f"{args.tiny_max_turns} turns and one branch per question, not seed 001's 24,576 tokens / 40 "
-            "turns: an untrained model spends its whole budget, too slow for a CPU demo",
+            f"{args.tiny_max_turns} turns and one branch per question, not seed 001's "
+            f"{budget.MAX_TOKENS:,} tokens / {budget.MAX_TURNS} turns: an untrained model spends its "
+            "whole budget, too slow for a CPU demo",
             t0,
         )
         info = up(state, worker="tiny")

@@ -1,18 +1,27 @@
-"""Shared by the benchmarks: the machine a report ran on, service processes, histogram deltas."""
+"""Shared by the benchmarks: the machine a report ran on, the results file, service processes,
+histogram deltas."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import math
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict[str, str]:
@@ -29,22 +38,85 @@ def machine() -> dict[str, str]:
             mem = f"{kb / 2**20:.1f} GiB"
     except (OSError, StopIteration, ValueError):
         pass
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    root = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(root)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    changed = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout
     return {
         "cpu": cpu,
         "cores": str(os.cpu_count()),
         "memory": mem,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "commit": commit or "unknown",
+        "commit": commit.strip() or "unknown",
+        "worktree": "uncommitted changes" if changed.strip() else "clean",
     }
 
 
 def print_machine() -> None:
     for key, value in machine().items():
         print(f"  {key:9s} {value}")
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table of a results file: raw values, one row per measurement, in ``columns`` order."""
+
+    title: str
+    columns: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+    notes: Sequence[str] = field(default_factory=tuple)
+
+
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.6g}"  # raw: six significant digits, no thousands separators
+    if isinstance(value, list | tuple):
+        return ", ".join(_cell(v) for v in value)
+    return str(value).replace("|", "\\|")
+
+
+def render_results(bench: str, tables: Sequence[Table], extra: dict[str, str] | None = None) -> str:
+    """The Markdown a results file holds: how and where the numbers were made, then the tables."""
+    m = machine()
+    command = shlex.join(["python", *sys.argv])
+    dirty = "" if m["worktree"] == "clean" else " (with uncommitted changes)"
+    lines = [
+        f"<!-- Written by bench/{bench}.py; run it again to replace this file. -->",
+        f"# {bench} benchmark results",
+        "",
+        f"- command: `{command}`",
+        f"- commit: {m['commit']}{dirty}",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; {m['platform']}; Python {m['python']}",
+        f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        *(f"- {key}: {value}" for key, value in (extra or {}).items()),
+    ]
+    for table in tables:
+        lines += ["", f"## {table.title}", ""]
+        lines.append("| " + " | ".join(table.columns) + " |")
+        lines.append("|" + "---|" * len(table.columns))
+        for row in table.rows:
+            if len(row) != len(table.columns):
+                raise ValueError(f"{table.title}: {len(row)} values for {len(table.columns)} columns")
+            lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
+        if table.notes:
+            lines += ["", *table.notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(
+    bench: str, tables: Sequence[Table], extra: dict[str, str] | None = None, path: Path | None = None
+) -> Path:
+    """Write ``render_results`` to ``path`` (default bench/results/<bench>.md), the file the README's
+    tables for this benchmark are taken from; returns the path written."""
+    path = path or RESULTS_DIR / f"{bench}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_results(bench, tables, extra), encoding="utf-8")
+    return path
 
 
 def free_port() -> int:

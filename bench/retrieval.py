@@ -1,6 +1,7 @@
 """Benchmark: the retrieval service against its own search core, side by side.
 
     python bench/retrieval.py [--docs 100000] [--duration 20] [--concurrency 1,8,32] [--work DIR]
+                              [--json FILE] [--results FILE]
 
 1. Generate a toy corpus (default 100,000 documents) and index it with `bcstack index`
    (embedded backends: bm25s + Qdrant Edge, all-MiniLM-L6-v2): wall time and peak memory.
@@ -15,7 +16,8 @@
 Targets (issue 3): the service reaches >= 70% of the in-process throughput at concurrency 8,
 and p99 <= 50 ms at half of its peak QPS. Queries are the toy world's 300 test and train
 questions, cycled. Everything runs on this machine: the load generator shares its cores with
-the service, as a client on the same node would.
+the service, as a client on the same node would. The tables, with the command, commit, machine and
+date, go to bench/results/retrieval.md (--results), the file the README's numbers come from.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import machine, print_machine  # noqa: E402
+from common import RESULTS_DIR, Table, machine, print_machine, write_results  # noqa: E402
 
 STAGES = ("embed", "lexical", "dense", "fuse", "fetch", "total")
 
@@ -247,6 +249,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bcstack-bench-retrieval")
     parser.add_argument("--json", type=Path, help="also write the raw numbers here")
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS_DIR / "retrieval.md", help="the Markdown tables"
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
@@ -347,6 +352,52 @@ def main() -> None:
                 default=str,
             )
         )
+    tables = retrieval_tables(args, built, results, half)
+    print(f"results: {write_results('retrieval', tables, path=args.results)}")
+
+
+def retrieval_tables(args: argparse.Namespace, built: dict, results: dict, half: dict) -> list[Table]:
+    """The tables of bench/results/retrieval.md: build, throughput and latency, stages, open loop."""
+    nan = (float("nan"), float("nan"))
+    build_table = Table(
+        f"Index build, {args.docs} documents",
+        ["docs", "build s", "peak RSS MiB", "on disk MiB", "built by an earlier run"],
+        [[args.docs, built["build_s"], built["peak_rss_mib"], built["index_mib"], built["reused"]]],
+    )
+    throughput = Table(
+        f"Throughput and end-to-end latency (k=10, hybrid), {args.duration:g} s per run",
+        ["path", "concurrency", "QPS", "p50 ms", "p99 ms", "QPS ÷ in-process", "errors"],
+        [
+            [
+                path,
+                c,
+                r["qps"],
+                r["p50_ms"],
+                r["p99_ms"],
+                r["qps"] / results["in-process"][c]["qps"],
+                r.get("errors", 0),
+            ]
+            for path, rows in results.items()
+            for c, r in rows.items()
+        ],
+    )
+    stages = Table(
+        "Per-stage latency p50 / p99 ms (service: from /metrics buckets, interpolated)",
+        ["path", "concurrency", *(f"{s} p50" for s in STAGES), *(f"{s} p99" for s in STAGES)],
+        [
+            [path, c, *(r["stages"].get(s, nan)[0] for s in STAGES)]
+            + [r["stages"].get(s, nan)[1] for s in STAGES]
+            for path, rows in results.items()
+            for c, r in rows.items()
+        ],
+    )
+    peak = max(r["qps"] for r in results["grpc"].values())
+    open_loop = Table(
+        "Open loop over gRPC at half the peak",
+        ["peak QPS", "offered QPS", "achieved QPS", "p50 ms", "p99 ms", "errors"],
+        [[peak, round(peak / 2, 1), half["qps"], half["p50_ms"], half["p99_ms"], half.get("errors", 0)]],
+    )
+    return [build_table, throughput, stages, open_loop]
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Benchmark: a GRPO step with packed micro-batches vs the same samples padded; TP=2 vs TP=1 step time.
 
-    python bench/trainer.py [--repeats 3] [--budgets 2048,1024] [--threads 1]
-                            [--tp-shapes 8x256,8x1024] [--work DIR] [--json FILE]
+    python bench/trainer.py [--repeats 3] [--budgets 2048,1024] [--threads 1] [--max-len 1024]
+                            [--tp-shapes 8x256,8x1024] [--work DIR] [--json FILE] [--results FILE]
 
-All on the CPU with the tiny float32 Qwen3 of `devkit.modelkit` (built into --work once).
+All on the CPU with the tiny float32 Qwen3 of `devkit.modelkit` (built into --work once). The
+tables, with the command, commit, machine and date, go to bench/results/trainer.md (--results);
+that file is where the README's numbers come from. A quick run that only checks the machinery:
+`--repeats 1 --max-len 256 --budgets 512 --tp-shapes 2x64`.
 
 Packing. A synthetic GRPO rollout batch: 8 prompts x 8 episodes = 64 worker trajectories, lengths
-lognormal (median 256 tokens, sigma 0.7, clipped to 64..1,024; seeded), random token ids, a loss
+lognormal (median 256 tokens, sigma 0.7, clipped to 64..--max-len; seeded), random token ids, a loss
 mask of prompt / generated / tool-observation spans, rollout log-probs from the model itself,
 random 0/1 rewards and contribution scores turned into advantages and weights by
 `trainer.grpo.sample_credit`. One step is the trainer's update, `trainer.grpo.grpo_step`: build
@@ -28,11 +31,17 @@ Per variant: median wall time of --repeats steps after one warm-up step (the var
 so background load hits them alike), real tokens/s (non-padding tokens / step time), the padding
 fraction (padding slots / all slots), the attention query-key pairs computed against those the
 samples need (a packed row's dense mask computes every cross-sample pair and masks it), and tokens/s
-relative to "padded". The warm-up step starts every variant from the same weights, so their
-gradients must agree: the gradient norm's relative difference is printed as the check that every
-variant computes the same update (the loss itself is ~0 on a first on-policy update: the ratio is 1
-and each group's advantages sum to 0). Building the
-micro-batches (packing, padding) is part of the step and is also timed alone.
+relative to "padded". Building the micro-batches (packing, padding) is part of the step and is also
+timed alone.
+
+Every variant computes the same update, and every run checks it: the warm-up step starts every
+variant from the same weights, and the gradient each one hands to AdamW (after clipping) must equal
+the first packed variant's parameter by parameter: max |g - g_first| <= GRAD_TOLERANCE (1e-4) x
+max |g_first|.
+Likewise TP=2's first-step gradient (gathered from the shards) against TP=1's. A run that fails
+either check prints the largest difference and the parameter it is in, and exits with status 1
+after writing its results. (The loss itself is ~0 on a first on-policy update, the ratio being 1
+and each group's advantages summing to 0, so it cannot serve as the check.)
 
 The packing comparison runs on --threads torch threads (default 1): on a 2-core machine that other
 work shares, two intra-op threads wait on each other at every operator and a step ran 5-8x slower than
@@ -46,7 +55,8 @@ sharded by `trainer.parallel.apply_tensor_parallel`) against TP=1 in this proces
 (the same cores) and with 1 thread (the same per-process compute). On a 2-core CPU with gloo, TP=2
 is expected to be slower: every layer adds all-reduces through the loopback network, and no
 hardware works in parallel that TP=1's threads could not already use. The number checks the
-machinery (it runs, the first loss matches TP=1's) and prices its communication; it is not a speed-up.
+machinery (it runs, its first-step gradient equals TP=1's) and prices its communication; it is not
+a speed-up.
 """
 
 from __future__ import annotations
@@ -54,13 +64,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -68,7 +80,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import machine, print_machine  # noqa: E402
+from common import RESULTS_DIR, Table, machine, print_machine, write_results  # noqa: E402
 
 from trainer.advantages import HierarchicalCredit  # noqa: E402
 from trainer.data import Sample  # noqa: E402
@@ -91,16 +103,20 @@ PROMPT_TOKENS = 32
 GENERATED_SPAN = (16, 96)  # tokens the worker model writes per turn (loss mask 1)
 OBSERVATION_SPAN = (32, 160)  # tool output between turns (loss mask 0)
 TP = 2
+# Float32 gradients of one update computed in other shapes (packed rows, padded batches, TP shards)
+# differ by summation order only: 3e-7 to 7e-7 of the largest entry in the runs so far. A wrong mask,
+# loss normalisation or a missing all-reduce moves them by a large fraction of it.
+GRAD_TOLERANCE = 1e-4
 
 
 # --- the synthetic rollout batch -----------------------------------------------------------------
 
 
-def rollout_lengths(n: int, seed: int) -> list[int]:
+def rollout_lengths(n: int, seed: int, max_len: int = MAX_LEN) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     normal = torch.randn(n, generator=generator, dtype=torch.float64)
     raw = torch.exp(torch.log(torch.tensor(float(MEDIAN_LEN))) + LEN_SIGMA * normal)
-    return [int(x) for x in raw.round().clamp(MIN_LEN, MAX_LEN)]
+    return [int(x) for x in raw.round().clamp(MIN_LEN, max_len)]
 
 
 def loss_mask(length: int, generator: torch.Generator) -> list[int]:
@@ -115,11 +131,11 @@ def loss_mask(length: int, generator: torch.Generator) -> list[int]:
     return mask[:length]
 
 
-def rollout_batch(model: torch.nn.Module, budget: int, seed: int) -> list[Sample]:
+def rollout_batch(model: torch.nn.Module, budget: int, seed: int, max_len: int = MAX_LEN) -> list[Sample]:
     """8 prompts x 8 episodes of one worker trajectory each, with the model's own rollout log-probs,
     random 0/1 rewards (40% correct) and random contribution scores."""
     generator = torch.Generator().manual_seed(seed + 1)
-    lengths = rollout_lengths(PROMPTS * EPISODES, seed)
+    lengths = rollout_lengths(PROMPTS * EPISODES, seed, max_len)
     vocab = model.config.vocab_size
     bare = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
     masks = [loss_mask(n, generator) for n in lengths]
@@ -227,16 +243,73 @@ def chunks(indices: Sequence[int], size: int) -> list[list[int]]:
     return [list(indices[i : i + size]) for i in range(0, len(indices), size)]
 
 
+# --- the same-update check -----------------------------------------------------------------------
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient as a full tensor (a TP shard's DTensor gathered), zeros where none."""
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return grads
+
+
+@contextmanager
+def first_update_gradients(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Iterator[dict]:
+    """Inside the block, the yielded dict receives the gradients of the optimizer's first step,
+    as the step applies them (after any clipping), from a pre-step hook."""
+    grads: dict[str, torch.Tensor] = {}
+
+    def hook(*_):
+        if not grads:
+            grads.update(gradients(model))
+
+    handle = optimizer.register_step_pre_hook(hook)
+    try:
+        yield grads
+    finally:
+        handle.remove()
+
+
+def gradient_difference(name: str, grads: dict, reference: dict) -> dict:
+    """max |g - g_ref| over every parameter against max |g_ref|, and whether it is within tolerance."""
+    if grads.keys() != reference.keys() or not reference:
+        names = sorted(grads.keys() ^ reference.keys())
+        return {
+            "comparison": name,
+            "max_abs_diff": math.inf,
+            "max_abs_grad": math.nan,
+            "ratio": math.inf,
+            "parameter": f"not the same parameters: {names[:3]}",
+            "ok": False,
+        }
+    diffs = {k: float((grads[k].float() - reference[k].float()).abs().max()) for k in reference}
+    worst = max(diffs, key=diffs.get)
+    scale = max(float(g.abs().max()) for g in reference.values())
+    ratio = diffs[worst] / scale if scale else (0.0 if diffs[worst] == 0 else math.inf)
+    return {
+        "comparison": name,
+        "max_abs_diff": diffs[worst],
+        "max_abs_grad": scale,
+        "ratio": ratio,
+        "parameter": worst,
+        "ok": ratio <= GRAD_TOLERANCE,
+    }
+
+
 # --- packed vs padded -----------------------------------------------------------------------------
 
 
-def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int) -> dict:
+def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int, max_len: int = MAX_LEN) -> dict:
     from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
     policy, ref = load_policy(kit), load_reference(kit)
     pad_id = AutoTokenizer.from_pretrained(kit).pad_token_id
-    samples = rollout_batch(policy, max(budgets), seed)
+    if min(budgets) < max_len:
+        raise SystemExit(f"every --budgets value must hold the longest sample (--max-len {max_len})")
+    samples = rollout_batch(policy, max(budgets), seed, max_len)
     credit = sample_credit(samples)
     lengths = [len(s) for s in samples]
     real_tokens = sum(lengths)
@@ -314,15 +387,23 @@ def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int) ->
     for rep in range(repeats + 1):
         for name, (step, _) in variants.items():
             r = results[name]
-            started = time.perf_counter()
-            update = step(r["model"], r["optimizer"])
-            elapsed = time.perf_counter() - started
+            with first_update_gradients(r["optimizer"], r["model"]) as grads:
+                started = time.perf_counter()
+                update = step(r["model"], r["optimizer"])
+                elapsed = time.perf_counter() - started
             if rep == 0:
                 r["warmup_s"], r["warmup_loss"] = elapsed, update["loss"]
-                r["warmup_grad_norm"] = update["grad_norm"]
+                r["warmup_grad_norm"], r["warmup_grads"] = update["grad_norm"], grads
             else:
                 r["times"].append(elapsed)
         print(f"  {'warm-up' if rep == 0 else f'step {rep}'} done", flush=True)
+
+    first = next(iter(results))
+    same_update = [
+        gradient_difference(f"{name} vs {first}", r["warmup_grads"], results[first]["warmup_grads"])
+        for name, r in results.items()
+        if name != first
+    ]
 
     rows = []
     for name, r in results.items():
@@ -352,6 +433,8 @@ def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int) ->
         row["grad_norm_rel_diff_vs_first"] = abs(row["warmup_grad_norm"] - first_norm) / first_norm
     return {
         "budgets": list(budgets),
+        "max_len": max_len,
+        "same_update": same_update,
         "threads": torch.get_num_threads(),
         "padded_batch_size": size,
         "lengths": lengths,
@@ -409,18 +492,25 @@ def tp_step(model, optimizer, input_ids: torch.Tensor) -> float:
 
 
 def time_tp_steps(model, input_ids: torch.Tensor, repeats: int, barrier: Callable[[], None]) -> dict:
+    """Median step time after a warm-up step, and the warm-up step's loss and gradients."""
     optimizer = make_optimizer(model)
     times, first_loss = [], None
-    for rep in range(repeats + 1):
-        barrier()
-        started = time.perf_counter()
-        loss = tp_step(model, optimizer, input_ids)
-        barrier()
-        if rep == 0:
-            first_loss = loss
-        else:
-            times.append(time.perf_counter() - started)
-    return {"step_s": statistics.median(times), "step_times_s": times, "first_loss": first_loss}
+    with first_update_gradients(optimizer, model) as first_grads:
+        for rep in range(repeats + 1):
+            barrier()
+            started = time.perf_counter()
+            loss = tp_step(model, optimizer, input_ids)
+            barrier()
+            if rep == 0:
+                first_loss = loss
+            else:
+                times.append(time.perf_counter() - started)
+    return {
+        "step_s": statistics.median(times),
+        "step_times_s": times,
+        "first_loss": first_loss,
+        "first_grads": first_grads,
+    }
 
 
 def tp_worker(kit: str, batch_file: str, out_file: str, repeats: str) -> None:
@@ -431,14 +521,16 @@ def tp_worker(kit: str, batch_file: str, out_file: str, repeats: str) -> None:
 
     env = init_distributed()
     mesh = tensor_parallel_mesh(env)
-    results = {}
+    results, grads = {}, {}
     for shape, input_ids in torch.load(batch_file).items():
         model = load_policy(Path(kit))
         apply_tensor_parallel(model, mesh)
         results[shape] = time_tp_steps(model, input_ids, int(repeats), dist.barrier)
+        grads[shape] = results[shape].pop("first_grads")
     results["threads_per_rank"] = torch.get_num_threads()
     if env.is_main:
         Path(out_file).write_text(json.dumps(results))
+        torch.save(grads, Path(out_file).with_suffix(".grads.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -467,9 +559,10 @@ def bench_tp(
     if done.returncode != 0:
         raise SystemExit(f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
     tp2 = json.loads((work / "tp2.json").read_text())
+    tp2_grads = torch.load(work / "tp2.grads.pt")
 
     default_threads, threads_before = all_threads, torch.get_num_threads()
-    rows = []
+    rows, same_update = [], []
     for shape, input_ids in batches.items():
         tp1 = {}
         for threads in (default_threads, 1):
@@ -477,6 +570,11 @@ def bench_tp(
             model = load_policy(Path(kit))
             tp1[threads] = time_tp_steps(model, input_ids, repeats, lambda: None)
         torch.set_num_threads(threads_before)
+        same_update.append(
+            gradient_difference(
+                f"TP=2 vs TP=1, {shape}", tp2_grads[shape], tp1[default_threads]["first_grads"]
+            )
+        )
         rows.append(
             {
                 "shape": shape,
@@ -493,7 +591,13 @@ def bench_tp(
                 "first_loss_diff": abs(tp2[shape]["first_loss"] - tp1[default_threads]["first_loss"]),
             }
         )
-    return {"tp": TP, "backend": "gloo", "torchrun_wall_s": launch_s, "rows": rows}
+    return {
+        "tp": TP,
+        "backend": "gloo",
+        "torchrun_wall_s": launch_s,
+        "rows": rows,
+        "same_update": same_update,
+    }
 
 
 def print_tp(result: dict) -> None:
@@ -525,6 +629,93 @@ def print_tp(result: dict) -> None:
     )
 
 
+# --- the same-update check and the results file -----------------------------------------------------
+
+
+def print_same_update(checks: list[dict]) -> None:
+    print(f"\nsame update: gradients against the reference, max |Δg| ÷ max |g| <= {GRAD_TOLERANCE:g}")
+    for c in checks:
+        print(
+            f"  {'ok  ' if c['ok'] else 'FAIL'} {c['comparison']:<34} max |Δg| {c['max_abs_diff']:.3e} "
+            f"(÷ max |g| {c['max_abs_grad']:.3e} = {c['ratio']:.2e}) in {c['parameter']}"
+        )
+
+
+# (column heading, key) of each results table: every raw number the printout rounds.
+PACKING_COLUMNS = (
+    ("variant", "variant"),
+    ("micro-batches × [rows, width]", "shape"),
+    ("step s (median)", "step_s"),
+    ("step times s", "step_times_s"),
+    ("warm-up s", "warmup_s"),
+    ("real tokens/s", "real_tokens_per_s"),
+    ("slots/s", "slots_per_s"),
+    ("padding fraction", "padding_fraction"),
+    ("attention pairs ÷ needed", "attention_pairs_vs_needed"),
+    ("tokens/s ÷ padded", "tokens_per_s_vs_padded"),
+    ("build s", "build_s"),
+    ("warm-up loss", "warmup_loss"),
+    ("warm-up grad norm", "warmup_grad_norm"),
+)
+TP_COLUMNS = (
+    ("batch", "shape"),
+    ("tokens", "tokens"),
+    ("TP=1 (all threads) s", "tp1_step_s"),
+    ("TP=1 (1 thread) s", "tp1_1thread_step_s"),
+    ("TP=2 s", "tp2_step_s"),
+    ("TP=2 ÷ TP=1 (all threads)", "tp2_over_tp1"),
+    ("TP=2 ÷ TP=1 (1 thread)", "tp2_over_tp1_1thread"),
+    ("first-step loss Δ", "first_loss_diff"),
+    ("TP=1 (all threads) step times s", "tp1_step_times_s"),
+    ("TP=1 (1 thread) step times s", "tp1_1thread_step_times_s"),
+    ("TP=2 step times s", "tp2_step_times_s"),
+)
+CHECK_COLUMNS = (
+    ("comparison", "comparison"),
+    ("max abs Δg", "max_abs_diff"),
+    ("max abs g (reference)", "max_abs_grad"),
+    ("ratio", "ratio"),
+    ("tolerance", "tolerance"),
+    ("parameter", "parameter"),
+    ("within", "ok"),
+)
+
+
+def results_tables(packing: dict, tp: dict, checks: list[dict]) -> list[Table]:
+    """The tables of bench/results/trainer.md."""
+
+    def table(title: str, columns: tuple, rows: list[dict], notes: list[str]) -> Table:
+        return Table(title, [c for c, _ in columns], [[row[k] for _, k in columns] for row in rows], notes)
+
+    stats = packing["length_stats"]
+    return [
+        table(
+            f"GRPO step, packed vs padded ({packing['threads']} torch thread(s))",
+            PACKING_COLUMNS,
+            packing["rows"],
+            [
+                f"Rollout batch: {stats['samples']} samples, {stats['tokens']} tokens "
+                f"({stats['loss_tokens']} trained); length min {stats['min']}, p50 {stats['p50']}, "
+                f"mean {stats['mean']:.1f}, p90 {stats['p90']}, max {stats['max']} "
+                f"(--max-len {packing['max_len']}); padded B = {packing['padded_batch_size']}."
+            ],
+        ),
+        table(
+            f"TP step, TP={tp['tp']} ({tp['backend']}, 1 thread per rank) vs TP=1 "
+            f"({tp['rows'][0]['tp1_threads']} threads = all, and 1)",
+            TP_COLUMNS,
+            tp["rows"],
+            [f"torchrun with start-up and model loading: {tp['torchrun_wall_s']:.1f} s."],
+        ),
+        table(
+            "Same update: first-step gradients against the reference",
+            CHECK_COLUMNS,
+            [{**c, "tolerance": GRAD_TOLERANCE, "parameter": f"`{c['parameter']}`"} for c in checks],
+            ["Gradients as AdamW receives them (after clipping), every parameter, from the same weights."],
+        ),
+    ]
+
+
 # --- main -------------------------------------------------------------------------------------------
 
 
@@ -543,9 +734,18 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads for the packing comparison (see the docstring)"
     )
+    parser.add_argument(
+        "--max-len", type=int, default=MAX_LEN, help="longest rollout sample; every budget must hold it"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bcstack-bench-trainer")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS_DIR / "trainer.md",
+        help="the Markdown tables, written each run",
+    )
     args = parser.parse_args()
 
     print("trainer benchmark (tiny Qwen3, CPU)")
@@ -566,15 +766,24 @@ def main() -> None:
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
-    packing = bench_packing(kit, budgets, args.repeats, args.seed)
+    packing = bench_packing(kit, budgets, args.repeats, args.seed, args.max_len)
     print_packing(packing)
     tp = bench_tp(kit, args.work, parse_shapes(args.tp_shapes), args.repeats, args.seed, all_threads)
     print_tp(tp)
+    checks = packing["same_update"] + tp["same_update"]
+    print_same_update(checks)
     load_after = os.getloadavg()
+    wall_s = time.perf_counter() - started
     print(
         f"\nload average after: {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f}; "
-        f"benchmark wall time {time.perf_counter() - started:.0f} s"
+        f"benchmark wall time {wall_s:.0f} s"
     )
+    extra = {
+        "torch": f"{torch.__version__}, {all_threads} threads by default",
+        "load average (1 min)": f"{load_before[0]:.2f} before, {load_after[0]:.2f} after",
+        "wall time": f"{wall_s:.0f} s",
+    }
+    print(f"results: {write_results('trainer', results_tables(packing, tp, checks), extra, args.results)}")
     if args.json:
         report = {
             "machine": machine(),
@@ -587,6 +796,14 @@ def main() -> None:
             "tp": tp,
         }
         args.json.write_text(json.dumps(report, indent=2))
+    failed = [c for c in checks if not c["ok"]]
+    if failed:
+        worst = max(failed, key=lambda c: c["ratio"])
+        raise SystemExit(
+            f"NOT the same update: {len(failed)} of {len(checks)} gradient checks failed; the worst, "
+            f"{worst['comparison']}, differs by {worst['max_abs_diff']:.3e} in {worst['parameter']} "
+            f"({worst['ratio']:.2e} of max |g|, tolerance {GRAD_TOLERANCE:g})"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Benchmark: worker episodes per second and the worker's own overhead per turn.
 
     python bench/worker.py [--concurrency 1,32,256] [--duration 30] [--docs 2000] [--work DIR]
+                           [--json FILE] [--results FILE]
 
 The scripted expert engine (`bcstack serve engine --policy expert`, near-zero model time) and the
 embedded retrieval service (`bcstack serve retrieval` over a toy world) stand behind one worker
@@ -12,6 +13,9 @@ the engine wait, and the worker's own overhead = turn time - engine wait - retri
 p50 and p99. All processes share this machine's cores.
 
 Target (issue 4): overhead <= 5 ms per turn at 256 concurrent episodes, no errors.
+
+The table, with the command, commit, machine and date, goes to bench/results/worker.md (--results),
+the file the README's numbers come from.
 """
 
 from __future__ import annotations
@@ -30,7 +34,17 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import free_port, histogram, machine, print_machine, process, summary  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    Table,
+    free_port,
+    histogram,
+    machine,
+    print_machine,
+    process,
+    summary,
+    write_results,
+)
 
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE  # noqa: E402
@@ -80,6 +94,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=2000)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bcstack-bench-worker")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR / "worker.md", help="the Markdown table")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     work = args.work
@@ -143,6 +158,45 @@ def main() -> None:
     )
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
+    table = Table(
+        f"Worker episodes, {args.duration:g} s per level, {args.docs} toy documents",
+        [
+            "concurrent episodes",
+            "episodes",
+            "turns",
+            "seconds",
+            "episodes/s",
+            "turns/s",
+            "errors",
+            "overhead mean ms",
+            "overhead p50 ms",
+            "overhead p99 ms",
+            "engine wait p50 ms",
+            "outcomes",
+        ],
+        [
+            [
+                r["concurrency"],
+                r["episodes"],
+                r["turns"],
+                r["seconds"],
+                r["episodes"] / r["seconds"],
+                r["turns"] / r["seconds"],
+                r["errors"],
+                r["overhead"]["mean_ms"],
+                r["overhead"]["p50_ms"],
+                r["overhead"]["p99_ms"],
+                r["engine"]["p50_ms"],
+                json.dumps(r["outcomes"]),
+            ]
+            for r in rows
+        ],
+        [
+            f"Target: overhead <= 5 ms per turn at {last['concurrency']} concurrent episodes, no errors: "
+            f"{'met' if ok else 'NOT met'}."
+        ],
+    )
+    print(f"results: {write_results('worker', [table], path=args.results)}")
 
 
 if __name__ == "__main__":

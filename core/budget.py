@@ -15,6 +15,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# Seed 001's worker limits and sampling: the one place these numbers are written. Settings,
+# metric buckets and the tiny model kit refer to them.
+MAX_TOKENS = 24_576  # episode budget: prompt + generations + observations
+MAX_TURNS = 40  # assistant turns per episode
+MAX_NEW_TOKENS_PER_TURN = 4_096  # generated tokens per turn at most
+CONTEXT_LENGTH = 40_960  # the engine's context window (Qwen3-4B's)
+TEMPERATURE = 1.0
+TOP_P = 0.95
+
 
 class StopReason(enum.StrEnum):
     FINISH = "finish"  # the model called finish with an answer
@@ -26,10 +35,10 @@ class StopReason(enum.StrEnum):
 
 @dataclass(frozen=True)
 class BudgetLimits:
-    max_tokens: int = 24_576
-    max_turns: int = 40
-    max_new_tokens_per_turn: int = 4_096
-    context_length: int = 40_960
+    max_tokens: int = MAX_TOKENS
+    max_turns: int = MAX_TURNS
+    max_new_tokens_per_turn: int = MAX_NEW_TOKENS_PER_TURN
+    context_length: int = CONTEXT_LENGTH
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_turns", "max_new_tokens_per_turn", "context_length"):

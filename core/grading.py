@@ -32,8 +32,13 @@ TemplateKind = Literal["answer", "contribution"]
 
 
 def response_text(answer: str, explanation: str, confidence: str) -> str:
-    """The final answer in the BrowseComp answer format the grader template expects."""
-    return f"Explanation: {explanation}\nExact Answer: {answer}\nConfidence: {confidence or '0%'}"
+    """The final answer in the BrowseComp answer format the grader template expects.
+
+    An empty confidence (an episode that never called finish) renders no `Confidence:` line, so
+    `response_confidence` reads None, not a confidence of 0 that was never stated.
+    """
+    text = f"Explanation: {explanation}\nExact Answer: {answer}"
+    return f"{text}\nConfidence: {confidence}" if confidence and confidence.strip() else text
 
 
 # Placeholders each template kind must contain (and the only ones rendering fills in).

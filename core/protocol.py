@@ -6,7 +6,7 @@ Pure functions, no I/O. Two directions:
   :class:`FunctionCall`; :func:`validate_call` turns a call into a typed action or the one-line
   error observation the model is shown instead.
 * tool results → observation text: :func:`render_search_results`, :func:`render_open_page`,
-  :func:`render_observation` produce the exact strings a trained worker saw in training.
+  :class:`TurnObservation` produce the exact strings a trained worker saw in training.
 
 Byte-level fidelity matters: the SFT checkpoints of the seed cards were trained on FoldAgent's
 ``envs/local_search.py`` (sunnweiwei/FoldAgent; the slime port keeps it), so the observation
@@ -21,23 +21,43 @@ format below follows it character for character:
   cut at its 4,096th word followed by ``\\n[Document is truncated.]`` (upstream marks a page of
   exactly 4,096 words as truncated too; kept, since a trained worker has seen it that way).
 * the observation of one turn is the concatenation for every call, the reflection nudge
-  appended, then ``.strip()``.
+  appended, then ``.strip()``. Three messages stand alone, without the nudge: the no-call line,
+  the empty-finish resubmit and the no-search bounce (:func:`no_search_verdict`).
+* Qwen3's native ``<tool_call>{"name", "arguments"}</tool_call>`` and ``<answer>…</answer>``
+  blocks are read too (``native=True``): ``search`` with a list of queries becomes one search per
+  query, ``visit`` with a list of urls one ``open_page`` per url. When a turn holds native calls
+  they are the turn's calls, whatever ``<function=…>`` blocks it also has (upstream's order).
+* ``finish`` before any ``search`` in the episode is voided (no search, no reward); a voided
+  answer that would have been right (:func:`lenient_match`) is bounced once instead.
 
-Deliberate departures from upstream, each because upstream loses information or misbehaves:
+Deliberate departures from upstream, each because upstream loses information or misbehaves, and
+each one keyword argument away from upstream's behaviour (README, "Worker protocol: fidelity
+settings", has the table):
 
-* parameter values are stripped of surrounding white space (upstream keeps ``\\n`` around a
-  value written on its own line, which then leaks into the search header);
-* calls inside a ``<think>`` block are ignored (they are reasoning, not actions);
+* white space around function names, parameter names and values is stripped (upstream keeps
+  the ``\\n`` around a value written on its own line, which then leaks into the search header):
+  ``parse_calls(strip_whitespace=False)``;
+* calls inside a ``<think>`` block are ignored (they are reasoning, not actions):
+  ``parse_calls(ignore_reasoning=False)``;
 * an unknown function *adds* its error line to the observation rather than replacing the
-  results of the turn's other calls;
-* an open_page that finds nothing says so instead of rendering an empty block.
+  results of the turn's other calls: ``TurnObservation(unknown_function_replaces=True)``;
+* an open_page that finds nothing says so instead of rendering an empty block:
+  ``render_open_result(report_missing=False)``;
+* ``topk`` 0 means the default (upstream shows one hit): ``validate_call(zero_topk_is_default=False)``;
+* a native search or visit whose ``query``/``url`` is one string instead of a list is one call
+  (upstream makes a call per character): ``parse_calls(native_string_is_one=False)``.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import re
+import unicodedata
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 # --- observation strings (FoldAgent envs/local_search.py) ---------------------------------------
 NO_CALL_ERROR = "No function call was detected in the model response."
@@ -60,6 +80,10 @@ EMPTY_FINISH_RESUBMIT = (
     "<parameter=explanation>YOUR EXPLANATION</parameter>\n"
     "<parameter=confidence>YOUR CONFIDENCE</parameter>\n"
     "</function>"
+)
+NO_SEARCH_BOUNCE = (
+    "Answer submission failed. You MUST use the search tool to verify the answer and all the "
+    "evidence, and cite the correct source document in your explanation to support your claim."
 )
 
 # Upstream defaults; every one of them is a setting of the worker service.
@@ -91,19 +115,28 @@ def page_not_found_error(docid: str | None, url: str | None) -> str:
 
 # A call starts at the beginning of a line (leading blanks allowed), as in upstream's
 # ``(?m)^[ \t]*<function=...>``: prose that merely mentions the syntax mid-sentence is not a call.
-_CALL_RE = re.compile(r"^[ \t]*<function=([^>\n]+)>(.*?)</function>", re.DOTALL | re.MULTILINE)
-_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+# Names are upstream's ``[^>]+`` (a line break included) so that both parse the same calls.
+_CALL_RE = re.compile(r"^[ \t]*<function=([^>]+)>(.*?)</function>", re.DOTALL | re.MULTILINE)
+_PARAM_RE = re.compile(r"<parameter=([^>]+)>(.*?)</parameter>", re.DOTALL)
 # Upstream splits on separator markers like ``<[sep]>`` and keeps the text after the last one.
 _SEGMENT_MARK_RE = re.compile(r"<\[[^\]\n]+\]>")
 _THINK_END = "</think>"
 # Calls separated by this many blank-ish lines or more are different groups; only the last group
 # counts (upstream: a model sometimes writes a draft call, prose, then its real calls).
 _GROUP_LINE_GAP = 4
+# Qwen3's own tool-call syntax, and a bare answer block (upstream ``extract_json_tool``).
+_NATIVE_MARKERS = ("<tool_call>", "<answer>")
+_NATIVE_RE = re.compile(r"<(tool_call|answer)>\s*(.*?)\s*</\1>", re.DOTALL)
+_FENCE_RE = re.compile(r"^```(?:json)?\s*|\s*```$", re.DOTALL)
+_BRACES_RE = re.compile(r"\{.*\}", re.DOTALL)
+# A native search with n queries shows max(10 // (n + 1), 2) hits per query (upstream).
+NATIVE_SEARCH_TOPK_SHARE = 10
+NATIVE_SEARCH_MIN_TOPK = 2
 
 
 @dataclass(frozen=True)
 class FunctionCall:
-    """One ``<function=NAME>`` block: the name and its parameters (values stripped)."""
+    """One call: the name and its parameters as text (``<function=NAME>`` or a native block)."""
 
     name: str
     params: dict[str, str] = field(default_factory=dict)
@@ -112,23 +145,41 @@ class FunctionCall:
         return self.params.get(key, default)
 
 
-def _strip_reasoning(text: str) -> str:
+def _without_reasoning(text: str) -> str:
     if _THINK_END in text:
-        text = text.rsplit(_THINK_END, 1)[1]
-    elif text.lstrip().startswith("<think>"):
+        return text.rsplit(_THINK_END, 1)[1]
+    if text.lstrip().startswith("<think>"):
         # A turn cut off inside its reasoning has no actions yet.
         return ""
-    return _SEGMENT_MARK_RE.split(text)[-1]
+    return text
 
 
-def parse_calls(text: object) -> list[FunctionCall]:
-    """Every function call of the last group in ``text``; ``[]`` when there is none.
+def parse_calls(
+    text: object,
+    *,
+    native: bool = False,
+    strip_whitespace: bool = True,
+    ignore_reasoning: bool = True,
+    native_string_is_one: bool = True,
+) -> list[FunctionCall]:
+    """The calls of one model turn; ``[]`` when there is none.
+
+    ``<function=…>`` calls: every call of the last group. ``native``: Qwen3 ``<tool_call>`` JSON
+    and ``<answer>`` blocks, which win when present (upstream's order). The other switches are
+    the departures of the module docstring, upstream's behaviour when False.
 
     Total: any input (even a non-string) gives a list, never an exception.
     """
-    if not isinstance(text, str) or "<function=" not in text:
+    if not isinstance(text, str):
         return []
-    body = _strip_reasoning(text)
+    body = _without_reasoning(text) if ignore_reasoning else text
+    if native and any(m in body for m in _NATIVE_MARKERS):
+        calls = _native_calls(body, strip_whitespace=strip_whitespace, string_is_one=native_string_is_one)
+        if calls:
+            return calls
+    if "<function=" not in body:
+        return []
+    body = _SEGMENT_MARK_RE.split(body)[-1]
     matches = list(_CALL_RE.finditer(body))
     if not matches:
         return []
@@ -137,12 +188,70 @@ def parse_calls(text: object) -> list[FunctionCall]:
         if body.count("\n", prev.end(), cur.start()) >= _GROUP_LINE_GAP:
             group = []
         group.append(cur)
+    tidy = str.strip if strip_whitespace else str
     calls = []
     for m in group:
-        params: dict[str, str] = {}
-        for key, value in _PARAM_RE.findall(m.group(2)):
-            params[key.strip()] = value.strip()
-        calls.append(FunctionCall(name=m.group(1).strip(), params=params))
+        params = {tidy(key): tidy(value) for key, value in _PARAM_RE.findall(m.group(2))}
+        calls.append(FunctionCall(name=tidy(m.group(1)), params=params))
+    return calls
+
+
+def _load_object(text: str) -> object:
+    """JSON, else a Python literal, else the same for the outermost ``{…}`` (upstream's tries)."""
+    for candidate in (text, *(m.group(0) for m in [_BRACES_RE.search(text)] if m)):
+        for load in (json.loads, ast.literal_eval):
+            try:
+                return load(candidate)
+            except Exception:  # model output: anything may fail to parse, nothing may raise
+                continue
+    return None
+
+
+def _as_text(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _items(value: object, string_is_one: bool) -> list[object]:
+    if isinstance(value, list | tuple):
+        return list(value)
+    if isinstance(value, str):
+        return [value] if string_is_one else list(value)
+    return []
+
+
+def _native_calls(text: str, *, strip_whitespace: bool, string_is_one: bool) -> list[FunctionCall]:
+    tidy = str.strip if strip_whitespace else str
+    calls: list[FunctionCall] = []
+    for kind, body in _NATIVE_RE.findall(text):
+        body = body.strip()
+        if kind == "answer":
+            calls.append(FunctionCall("finish", {"answer": body}))
+            continue
+        if body.startswith("```") and body.endswith("```"):
+            body = _FENCE_RE.sub("", body).strip()
+        obj = _load_object(body)
+        if not isinstance(obj, dict) or "name" not in obj:
+            continue
+        name = tidy(str(obj["name"]))
+        args = obj.get("arguments", {})
+        args = args if isinstance(args, dict) else {}
+        if name == "search":
+            queries = _items(args.get("query"), string_is_one)
+            topk = str(max(NATIVE_SEARCH_TOPK_SHARE // (len(queries) + 1), NATIVE_SEARCH_MIN_TOPK))
+            for query in queries:
+                params = {"topk": topk} if query is None else {"query": tidy(_as_text(query)), "topk": topk}
+                calls.append(FunctionCall("search", params))
+        elif name == "visit":
+            for url in _items(args.get("url"), string_is_one):
+                calls.append(FunctionCall("open_page", {} if url is None else {"url": tidy(_as_text(url))}))
+        else:
+            params = {tidy(_as_text(k)): tidy(_as_text(v)) for k, v in args.items() if v is not None}
+            calls.append(FunctionCall(name, params))
     return calls
 
 
@@ -196,12 +305,16 @@ class CallError:
 Action = SearchAction | OpenPageAction | FinishAction | BranchAction | CallError
 
 
-def _parse_topk(raw: str | None, default: int, cap: int) -> int:
-    # Upstream: int(v) if str(v).isdigit() else 10. Capped to the protocol's maximum; 0 → default.
-    if raw is None or not raw.isdigit():
+def _parse_topk(raw: str | None, default: int, cap: int, zero_is_default: bool) -> int:
+    # Upstream: int(v) if str(v).isdigit() else 10. ``isdecimal``: int() refuses some isdigit()
+    # characters ("²"), where upstream raises. Capped to the protocol's maximum.
+    if raw is None or not raw.isdecimal():
         return default
-    value = int(raw[:6])
-    return min(value, cap) if value > 0 else default
+    digits = raw.lstrip("0")
+    value = cap + 1 if len(digits) > 6 else int(digits or "0")
+    if value == 0:
+        return default if zero_is_default else 0
+    return min(value, cap)
 
 
 def validate_call(
@@ -210,6 +323,7 @@ def validate_call(
     *,
     default_topk: int = DEFAULT_TOPK,
     max_topk: int = MAX_TOPK,
+    zero_topk_is_default: bool = True,
 ) -> Action:
     """Map a parsed call onto the action it asks for, or the error line for the model."""
     if call.name not in tools:
@@ -218,7 +332,8 @@ def validate_call(
         query = call.get("query") or ""
         if not query:
             return CallError(SEARCH_QUERY_ERROR)
-        return SearchAction(query=query, topk=_parse_topk(call.get("topk"), default_topk, max_topk))
+        topk = _parse_topk(call.get("topk"), default_topk, max_topk, zero_topk_is_default)
+        return SearchAction(query=query, topk=topk)
     if call.name == "open_page":
         docid, url = call.get("docid") or None, call.get("url") or None
         if not docid and not url:
@@ -313,6 +428,109 @@ def finish_observation(parts: Sequence[str], *, reflection_nudge: bool = True) -
     if reflection_nudge:
         text += REFLECTION_NUDGE
     return text.strip()
+
+
+def render_open_result(
+    pages: Sequence[Page],
+    docid: str | None,
+    url: str | None,
+    *,
+    page_words: int = PAGE_WORDS,
+    report_missing: bool = True,
+) -> str:
+    """What one open_page call shows; when nothing is found, the not-found line (upstream: an
+    empty block, unless ``report_missing`` is False)."""
+    if pages or not report_missing:
+        return render_open_page(pages, page_words=page_words)
+    return page_not_found_error(docid, url)
+
+
+@dataclass
+class TurnObservation:
+    """The user message answering one assistant turn, built call by call (upstream ``run_action``)."""
+
+    reflection_nudge: bool = True
+    unknown_function_replaces: bool = False
+    parts: list[str] = field(default_factory=list)
+    alone: str | None = None
+
+    def add(self, block: str) -> None:
+        self.parts.append(block)
+
+    def add_unsupported(self, name: str) -> str:
+        """The unknown-function line; upstream's way, it replaces what the turn rendered so far."""
+        if self.unknown_function_replaces:
+            self.parts.clear()
+        message = unsupported_function_error(name)
+        self.parts.append(message)
+        return message
+
+    def stand_alone(self, message: str) -> None:
+        """The turn's whole observation is ``message``, without the nudge (no call, resubmit, bounce)."""
+        self.alone = message
+
+    def text(self) -> str:
+        if self.alone is not None:
+            return self.alone.strip()
+        return finish_observation(self.parts, reflection_nudge=self.reflection_nudge)
+
+
+# --- the no-search guard: no search, no reward ---------------------------------------------------
+
+_STOPWORDS = frozenset({"a", "an", "the", "of", "on", "in", "and", "&", "for", "to", "by", "with"})
+_PARENTHETICAL_RE = re.compile(r"\s*\([^)]*\)\s*")
+_QUOTES_RE = re.compile(r"[“”\"'`]+")
+_PUNCTUATION_RE = re.compile(r"[:–—\-_/.,;!()?]+")
+_YEAR_RE = re.compile(r"\d{4}")
+
+NoSearchVerdict = Literal["accept", "bounce", "void"]
+
+
+def _loose_form(text: str) -> str:
+    decomposed = unicodedata.normalize("NFKD", text)
+    s = "".join(c for c in decomposed if not unicodedata.combining(c)).lower()
+    s = _PARENTHETICAL_RE.sub(" ", s)  # "(Egypt)", "(US)": qualifiers
+    s = _QUOTES_RE.sub("", s)
+    s = _PUNCTUATION_RE.sub(" ", s)
+    return " ".join(s.split())
+
+
+def lenient_match(gold: str, answer: str) -> bool:
+    """FoldAgent's lenient exact match (``em_score``), the rule the no-search guard uses.
+
+    After removing accents, case, parentheticals, quotes and punctuation: the same characters;
+    or the same content words in any order (articles, short prepositions and four-digit years
+    dropped); or, with two words or more each, the same last word and the same first word up to
+    a prefix of four letters or more ("Chris Nolan" / "Christopher Nolan"). Upstream's last rule,
+    the part before a dash, can no longer differ once punctuation is gone, so it is left out.
+    """
+    g, a = _loose_form(gold), _loose_form(answer)
+    if g.replace(" ", "") == a.replace(" ", ""):
+        return True
+    gw = [w for w in g.split() if w not in _STOPWORDS and not _YEAR_RE.fullmatch(w)]
+    aw = [w for w in a.split() if w not in _STOPWORDS and not _YEAR_RE.fullmatch(w)]
+    if not gw or not aw:
+        return False
+    if Counter(gw) == Counter(aw):
+        return True
+    if len(gw) >= 2 and len(aw) >= 2 and gw[-1] == aw[-1]:
+        first_g, first_a = gw[0], aw[0]
+        prefix = min(len(first_g), len(first_a)) >= 4 and (
+            first_g.startswith(first_a) or first_a.startswith(first_g)
+        )
+        return first_g == first_a or prefix
+    return False
+
+
+def no_search_verdict(answer: str, gold: str | None, *, searched: bool, may_bounce: bool) -> NoSearchVerdict:
+    """What becomes of a ``finish``: accepted after a search; before any, voided (the answer is
+    emptied: no reward), or bounced with :data:`NO_SEARCH_BOUNCE` when it would have been right
+    and the episode has not been bounced yet (``may_bounce``)."""
+    if searched:
+        return "accept"
+    if may_bounce and gold and lenient_match(gold, answer):
+        return "bounce"
+    return "void"
 
 
 # --- reading observations back (scripted policies, evaluation) -----------------------------------

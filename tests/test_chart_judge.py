@@ -34,8 +34,8 @@ from helm_harness import (
 )
 from test_dockerfiles import assert_service_image, commands_by_instruction
 
+from core.kit.apikeys import resolve_api_key
 from core.kit.settings import env_var_name, load_settings
-from core.kit.upstream import resolve_api_key
 from services.judge.settings import JudgeSettings
 
 NAME = "bc-bcstack-judge"

@@ -68,3 +68,64 @@ def test_demo_help_says_what_it_does():
     assert (
         "150 test" in result.stdout and "--sample-per-tier" in result.stdout and "tiny model" in result.stdout
     )
+
+
+def _serve_settings() -> dict[str, type]:
+    from services.coordinator.settings import CoordinatorSettings
+    from services.coordinator_llm.settings import CoordinatorLlmSettings
+    from services.engine.settings import EngineSettings
+    from services.judge.settings import JudgeSettings
+    from services.retrieval.settings import RetrievalSettings
+    from services.worker.settings import WorkerSettings
+
+    classes = (
+        RetrievalSettings, WorkerSettings, EngineSettings, CoordinatorSettings, CoordinatorLlmSettings,
+        JudgeSettings,
+    )  # fmt: skip
+    return {cls.service_name: cls for cls in classes}
+
+
+# Option names that predate the settings-derived ones; charts and tests pass them.
+LEGACY_OPTIONS = {
+    "coordinator": ("--records", "records_path"),
+    "judge": ("--cache", "cache_path"),
+    "worker": ("--retrieval", "retrieval_address"),
+}
+
+
+def _help_entries(text: str) -> dict[str, str | None]:
+    """`--help` parsed: each option name -> the env var its entry names (None when it names none)."""
+    entries: dict[str, str | None] = {}
+    blocks = re.split(r"^  (?=-)", text.split("\nOptions:\n", 1)[1], flags=re.MULTILINE)
+    for block in blocks[1:]:
+        names = re.findall(r"--[a-z0-9-]+", block.split("  ", 1)[0])
+        env = re.search(r"\[env\s+var:\s+(BCSTACK_[A-Z0-9_]+)", block)
+        for name in names:
+            entries[name] = env.group(1) if env else None
+    return entries
+
+
+@pytest.mark.parametrize("service", sorted(_serve_settings()))
+def test_serve_help_lists_every_setting_with_its_env_var(service):
+    """DESIGN.md §8: `bcstack serve X --help` lists its settings and env vars; --grpc-port where gRPC is
+    served. One option per setting, named after it, showing its variable; secrets only by variable."""
+    from core.kit.settings import env_var_name, is_secret
+
+    cls = _serve_settings()[service]
+    result = _bcstack("serve", service, "--help")  # not a terminal: 80 columns
+    assert result.returncode == 0, result.stderr
+    entries = _help_entries(result.stdout)
+    secrets = {name for name in cls.model_fields if is_secret(cls, name)}
+    unused = {"metrics_port"} | ({"grpc_port"} if service in ("engine", "coordinator-llm") else set())
+    expected = {
+        "--" + name.replace("_", "-"): env_var_name(cls, name)
+        for name in cls.model_fields
+        if name not in secrets | unused
+    }
+    if service in LEGACY_OPTIONS:
+        option, field = LEGACY_OPTIONS[service]
+        expected[option] = env_var_name(cls, field)
+    assert entries == {**expected, "--config": None, "--help": None}
+    assert {"--host", "--port"} <= entries.keys()
+    for name in secrets:
+        assert env_var_name(cls, name) in result.stdout.split()  # whole, not cut at the edge

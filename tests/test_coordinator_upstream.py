@@ -27,16 +27,11 @@ import uvicorn
 from conftest import LOOPBACK, find_free_port
 from fake_openai import Reply, ScriptedLLM, serving_uvicorn
 
+from core.kit.apikeys import resolve_api_key
+from core.kit.breaker import CircuitBreaker
 from core.kit.http import uvicorn_server
 from core.kit.settings import load_settings
-from core.kit.upstream import (
-    ChatResult,
-    CircuitBreaker,
-    EndpointSpec,
-    UpstreamClient,
-    UpstreamError,
-    resolve_api_key,
-)
+from core.kit.upstream import ChatResult, EndpointSpec, UpstreamClient, UpstreamError
 from services.coordinator.registry import Endpoint, EndpointRegistry, RegistryError
 from services.coordinator_llm.service import build_app
 from services.coordinator_llm.settings import CoordinatorLlmSettings

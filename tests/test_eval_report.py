@@ -15,7 +15,9 @@ from bcstack.evaluation.report import (
     build_report,
     calibration_error,
     paired_comparison,
+    paired_difference_interval,
     render_markdown,
+    report_figure,
     wilson_interval,
     write_report,
 )
@@ -93,6 +95,8 @@ def test_card_checks_print_exactly(tmp_path):
     assert "| This SFT model | 49/50 | 41/50 | 18/50 | 108/150 (72.00%) |" in md
     assert "Wilson 95% interval: 64.33–78.57%" in md
     assert "Paired improvement: 31 questions improved, 6 regressed, +16.67 percentage points" in md
+    lo, hi = paired_difference_interval(77, 31, 6, 36)
+    assert f"(95% CI {100 * lo:+.2f} to {100 * hi:+.2f}, Newcombe score;" in md
 
     paired = report.paired
     assert (paired["improved"], paired["regressed"], paired["n"]) == (31, 6, 150)
@@ -219,7 +223,12 @@ def test_optional_metrics_are_omitted_when_absent(tmp_path):
     )
     assert report.evidence_recall is None and report.calibration_error is None
     md = render_markdown(report)
-    assert "Evidence recall" not in md and "Calibration error" not in md and "Paired" not in md
+    assert "Evidence recall" not in md and "Paired" not in md
+    # No stated confidence: no calibration number, and the one judgement is counted as without one.
+    assert (
+        "- Calibration error (HLE-style RMS, β=100): — (calibration over 0 judgements with a stated "
+        "confidence; 1 without one)"
+    ) in md
 
 
 def test_calibration_error_hand_computed():
@@ -248,32 +257,93 @@ def test_calibration_error_in_the_report_uses_confidence_percent(tmp_path):
         {"query_id": "3", "correct": False, "confidence": None},  # no confidence: not in the metric
     ]
     report = build_report(write_eval_dir(tmp_path / "run", rows))
-    assert report.calibration_n == 2
+    assert (report.calibration_n, report.calibration_unstated) == (2, 1)
     assert report.calibration_error == pytest.approx(calibration_error([0.9, 0.6], [True, False]))
     assert report.calibration_error == pytest.approx(0.25)
-    assert "Calibration error (HLE-style RMS, β=100): 25.00% (over 2 judgements" in render_markdown(report)
+    assert (
+        "Calibration error (HLE-style RMS, β=100): 25.00% (calibration over 2 judgements with a "
+        "stated confidence; 1 without one)"
+    ) in render_markdown(report)
+
+
+def test_unfinished_episodes_without_a_confidence_are_left_out_of_calibration(tmp_path):
+    # The untrained model of the demo: nothing finished, so nothing states a confidence. Read as
+    # 0% confidence it would score a perfect 0.00% calibration error; it has no calibration at all.
+    rows = [{"query_id": str(i), "correct": False, "status": "branches"} for i in range(150)]
+    report = build_report(write_eval_dir(tmp_path / "tiny", rows))
+    assert report.calibration_error is None
+    assert (report.calibration_n, report.calibration_unstated) == (0, 150)
+    md = render_markdown(report)
+    assert "Calibration error (HLE-style RMS, β=100): — (calibration over 0 judgements" in md
+    assert "0.00% (calibration" not in md
+    data = report.to_dict()
+    assert (data["calibration_error"], data["calibration_n"], data["calibration_unstated"]) == (None, 0, 150)
+
+    # Mixed: only the stated confidences are binned; an old file's 0 still reads as stated.
+    rows[0].update(correct=True, confidence=90)
+    rows[1].update(confidence=0)
+    report = build_report(write_eval_dir(tmp_path / "mixed", rows))
+    assert (report.calibration_n, report.calibration_unstated) == (2, 148)
+    assert report.calibration_error == pytest.approx(calibration_error([0.9, 0.0], [True, False]))
+
+
+# Published 95% limits of Newcombe's method 10, (a both, b run 1 only, c run 2 only, d neither):
+# Newcombe 1998 (Stat. Med. 17:2635) worked examples, the first also pinned in the ratesci R
+# package's tests as "Newcombe's method 10 result"; Tang, Ling & Tian 2010's example as ratesci
+# reproduces it; Fagerland, Lydersen & Laake 2014 (Stat. Med. 33:2850) Table II, to 3 decimals.
+NEWCOMBE_PUBLISHED = [
+    ((20, 12, 2, 16), (0.0562, 0.3292), 4),
+    ((36, 12, 2, 0), (0.0569, 0.3404), 4),
+    ((27, 0, 0, 27), (-0.0351, 0.0351), 4),
+    ((8, 3, 1, 2), (-0.1574, 0.4136), 4),
+    ((1, 1, 7, 12), (-0.507, -0.026), 3),
+]
+
+
+@pytest.mark.parametrize(("counts", "limits", "places"), NEWCOMBE_PUBLISHED)
+def test_paired_interval_reproduces_published_newcombe_limits(counts, limits, places):
+    lo, hi = paired_difference_interval(*counts)
+    assert (round(lo, places), round(hi, places)) == limits
+    # Swapping the runs mirrors the interval.
+    a, b, c, d = counts
+    assert paired_difference_interval(a, c, b, d) == pytest.approx((-hi, -lo))
+
+
+def test_paired_interval_at_the_boundary_is_not_a_point():
+    # 0 improved, 150 regressed: the Wald interval was -100.00 to -100.00.
+    lo, hi = paired_difference_interval(0, 0, 150, 0)
+    assert lo == pytest.approx(-1.0)
+    z2 = norm.ppf(0.975) ** 2
+    assert hi == pytest.approx(-1 + math.sqrt(2) * z2 / (150 + z2))  # both Wilson limits 150/150 apart
+    assert hi - lo > 0.03
+    base = {(str(i), 0): True for i in range(150)}
+    paired = paired_comparison(dict.fromkeys(base, False), base)
+    assert paired["delta_pp"] == -100.0
+    assert paired["delta_ci_pp"] == pytest.approx((100 * lo, 100 * hi))
+    assert paired["mcnemar_p"] == pytest.approx(2 * 0.5**150)
+    assert all(math.isnan(x) for x in paired_difference_interval(0, 0, 0, 0))
 
 
 def test_paired_mcnemar_p_and_interval_against_scipy_and_the_formula():
-    # b = 9 improved, c = 3 regressed, 20 concordant pairs.
+    # b = 9 improved, c = 3 regressed, 20 concordant pairs (10 both right, 10 both wrong).
     base = {(str(i), 0): 9 <= i < 12 or i >= 22 for i in range(32)}
     this = {(str(i), 0): i < 9 or i >= 22 for i in range(32)}
     paired = paired_comparison(this, base)
     b, c, n = 9, 3, 32
     assert (paired["improved"], paired["regressed"], paired["n"]) == (b, c, n)
     assert paired["mcnemar_p"] == pytest.approx(binomtest(min(b, c), b + c, 0.5).pvalue)
-    se = math.sqrt(b + c - (b - c) ** 2 / n) / n
-    z = norm.ppf(0.975)
-    delta = (b - c) / n
-    assert paired["delta_pp"] == pytest.approx(100 * delta)
-    assert paired["delta_ci_pp"] == pytest.approx((100 * (delta - z * se), 100 * (delta + z * se)))
+    assert paired["delta_pp"] == pytest.approx(100 * (b - c) / n)
+    lo, hi = paired_difference_interval(10, b, c, 10)
+    assert paired["delta_ci_pp"] == pytest.approx((100 * lo, 100 * hi))
+    assert lo < (b - c) / n < hi
 
 
-def test_paired_with_no_discordant_pairs_has_p_one():
+def test_paired_with_no_discordant_pairs_has_p_one_and_a_real_interval():
     same = {("1", 0): True, ("2", 0): False}
     paired = paired_comparison(same, dict(same))
     assert paired["mcnemar_p"] == 1.0 and paired["delta_pp"] == 0.0
-    assert paired["delta_ci_pp"] == (0.0, 0.0)
+    lo, hi = paired["delta_ci_pp"]
+    assert lo == pytest.approx(-hi) and hi > 0
 
 
 def test_keys_in_only_one_run_are_reported(tmp_path):
@@ -304,6 +374,18 @@ def test_write_report_writes_markdown_json_and_png(tmp_path):
     data = json.loads(paths["json"].read_text(encoding="utf-8"), parse_constant=no_nan)
     assert data["correct"] == 108 and data["baseline"]["correct"] == 83
     assert data["paired"]["improved"] == 31
+    assert data["paired"]["delta_ci_pp"] == pytest.approx(list(report.paired["delta_ci_pp"]))
+    assert data["paired"]["delta_ci_method"].startswith("Newcombe")
+    # The card's judgements state no confidence: no calibration, and the count says why.
+    assert (data["calibration_error"], data["calibration_n"], data["calibration_unstated"]) == (None, 0, 150)
+
+    # The PNG carries each run's calibration line under the bars (wrapped to the figure's width).
+    footer = " ".join(" ".join(t.get_text().split()) for t in report_figure(report, "SFT", "Base").texts)
+    for label in ("SFT", "Base"):
+        assert (
+            f"{label}: Calibration error (HLE-style RMS, β=100): — (calibration over 0 judgements "
+            "with a stated confidence; 150 without one)"
+        ) in footer
 
     # Two empty tiers still plot (no bar, a dash).
     small = build_report(

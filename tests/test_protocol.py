@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 
 import pytest
@@ -69,6 +70,96 @@ def test_separator_markers_keep_the_last_segment():
     assert p.parse_calls(text) == []
 
 
+def test_departure_switches_give_upstream_parsing():
+    text = "<function= search >\n<parameter=query>\nTartu\n</parameter>\n</function>"
+    assert p.parse_calls(text) == [p.FunctionCall("search", {"query": "Tartu"})]
+    assert p.parse_calls(text, strip_whitespace=False) == [p.FunctionCall(" search ", {"query": "\nTartu\n"})]
+    thought = "<think>\n<function=finish>\n<parameter=answer>x</parameter>\n</function>\n</think>\n\nok"
+    assert p.parse_calls(thought, ignore_reasoning=False) == [p.FunctionCall("finish", {"answer": "x"})]
+
+
+# --- Qwen3's native calls (upstream extract_json_tool) -------------------------------------------
+
+
+def _tool_call(body: str) -> str:
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            _tool_call('{"name": "open_page", "arguments": {"docid": "7"}}'),
+            [p.FunctionCall("open_page", {"docid": "7"})],
+        ),
+        # fenced, a Python literal, prose around the object, numbers as text
+        (
+            _tool_call('```json\n{"name": "open_page", "arguments": {"docid": 7}}\n```'),
+            [p.FunctionCall("open_page", {"docid": "7"})],
+        ),
+        (
+            _tool_call("{'name': 'finish', 'arguments': {'answer': 'Tartu'}}"),
+            [p.FunctionCall("finish", {"answer": "Tartu"})],
+        ),
+        (
+            _tool_call('Calling: {"name": "finish", "arguments": {"answer": "x", "confidence": null}} now'),
+            [p.FunctionCall("finish", {"answer": "x"})],
+        ),
+        (_tool_call('{"name": "finish", "arguments": "Tartu"}'), [p.FunctionCall("finish", {})]),
+        ("<answer>\n  Tartu \n</answer>", [p.FunctionCall("finish", {"answer": "Tartu"})]),
+        # search: one call per query, max(10 // (n + 1), 2) hits each; visit: one open_page per url
+        (
+            _tool_call('{"name": "search", "arguments": {"query": ["a", "b", "c", "d"]}}'),
+            [p.FunctionCall("search", {"query": q, "topk": "2"}) for q in "abcd"],
+        ),
+        (
+            _tool_call('{"name": "search", "arguments": {"query": [null]}}'),
+            [p.FunctionCall("search", {"topk": "5"})],
+        ),
+        (
+            _tool_call('{"name": "visit", "arguments": {"url": ["https://a", "https://b"]}}'),
+            [
+                p.FunctionCall("open_page", {"url": "https://a"}),
+                p.FunctionCall("open_page", {"url": "https://b"}),
+            ],
+        ),
+        (
+            _tool_call('{"name": "visit", "arguments": {"url": "https://a"}}'),
+            [p.FunctionCall("open_page", {"url": "https://a"})],
+        ),
+        (_tool_call('{"name": "search", "arguments": {}}'), []),
+        (_tool_call('{"arguments": {"query": ["a"]}}'), []),
+        (_tool_call("not json at all"), []),
+    ],
+)
+def test_native_calls(text, expected):
+    assert p.parse_calls(text, native=True) == expected
+    assert p.parse_calls(text) == []  # off unless asked for: the coordinator reads only <function=…>
+
+
+def test_native_calls_win_over_function_calls_and_fall_back_to_them():
+    xml = "<function=search>\n<parameter=query>xml</parameter>\n</function>"
+    native = _tool_call('{"name": "open_page", "arguments": {"docid": "7"}}')
+    assert p.parse_calls(f"{xml}\n{native}", native=True) == [p.FunctionCall("open_page", {"docid": "7"})]
+    assert p.parse_calls(f"{xml}\n{_tool_call('broken')}", native=True) == [
+        p.FunctionCall("search", {"query": "xml"})
+    ]
+    thought = f"<think>\n{native}\n</think>\n\nNo call."
+    assert p.parse_calls(thought, native=True) == []
+    assert p.parse_calls(thought, native=True, ignore_reasoning=False) == [
+        p.FunctionCall("open_page", {"docid": "7"})
+    ]
+
+
+def test_native_string_query_upstream_makes_a_call_per_character():
+    text = _tool_call('{"name": "search", "arguments": {"query": "ab"}}')
+    assert p.parse_calls(text, native=True) == [p.FunctionCall("search", {"query": "ab", "topk": "5"})]
+    assert p.parse_calls(text, native=True, native_string_is_one=False) == [
+        p.FunctionCall("search", {"query": "a", "topk": "3"}),
+        p.FunctionCall("search", {"query": "b", "topk": "3"}),
+    ]
+
+
 # --- property tests: the parser is total --------------------------------------------------------
 
 TAGS = ["<function=", "</function>", "<parameter=", "</parameter>", "<think>", "</think>", ">", "\n", "<[x]>"]
@@ -110,6 +201,43 @@ def test_never_raises_on_huge_parameters(size, tag):
         p.validate_call(c)
 
 
+NATIVE_TAGS = [
+    "<tool_call>", "</tool_call>", "<answer>", "</answer>", "{", "}", "[", "]", "```",
+    '"name"', '"arguments"', ":", ",", '"search"', '"visit"', '"query"', '"url"', "null", "'", '"',
+]  # fmt: skip
+native_soup = st.lists(st.one_of(fragments, st.sampled_from(NATIVE_TAGS)), max_size=80).map("".join)
+
+
+@settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(native_soup, st.booleans(), st.booleans(), st.booleans())
+def test_never_raises_on_native_tag_soup_with_any_switches(text, strip, ignore_reasoning, string_is_one):
+    calls = p.parse_calls(
+        text,
+        native=True,
+        strip_whitespace=strip,
+        ignore_reasoning=ignore_reasoning,
+        native_string_is_one=string_is_one,
+    )
+    for c in calls:
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in c.params.items())
+        assert isinstance(p.validate_call(c), p.Action)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+        max_leaves=20,
+    )
+)
+def test_never_raises_on_any_json_arguments(arguments):
+    for name in ("search", "visit", "finish"):
+        text = _tool_call(json.dumps({"name": name, "arguments": arguments}))
+        for c in p.parse_calls(text, native=True):
+            p.validate_call(c)
+
+
 well_formed_call = st.builds(
     p.FunctionCall,
     name=names,
@@ -123,6 +251,21 @@ def test_render_then_parse_round_trips(calls):
     assert p.parse_calls(p.render_calls(calls)) == calls
 
 
+@settings(max_examples=2000, deadline=None)
+@given(
+    st.lists(
+        well_formed_call.filter(
+            lambda c: c.name not in ("search", "visit") and "tool_call>" not in json.dumps(c.params)
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_native_calls_round_trip(calls):
+    text = "\n".join(_tool_call(json.dumps({"name": c.name, "arguments": c.params})) for c in calls)
+    assert p.parse_calls(text, native=True) == calls
+
+
 # --- validation ----------------------------------------------------------------------------------
 
 
@@ -134,6 +277,8 @@ def test_render_then_parse_round_trips(calls):
         (p.FunctionCall("search", {"query": "x", "topk": "3"}), p.SearchAction("x", 3)),
         (p.FunctionCall("search", {"query": "x", "topk": "500"}), p.SearchAction("x", 10)),
         (p.FunctionCall("search", {"query": "x", "topk": "0"}), p.SearchAction("x", 10)),
+        (p.FunctionCall("search", {"query": "x", "topk": "²"}), p.SearchAction("x", 10)),
+        (p.FunctionCall("search", {"query": "x", "topk": "0000003"}), p.SearchAction("x", 3)),
         (p.FunctionCall("open_page", {}), p.CallError(p.OPEN_PAGE_ARG_ERROR)),
         (p.FunctionCall("open_page", {"url": "https://a"}), p.OpenPageAction(None, "https://a")),
         (p.FunctionCall("finish", {"answer": "Tartu"}), p.FinishAction("Tartu", "", "")),
@@ -143,6 +288,14 @@ def test_render_then_parse_round_trips(calls):
 )
 def test_worker_validation(call, expected):
     assert p.validate_call(call) == expected
+
+
+def test_zero_topk_upstream_shows_one_hit():
+    call = p.FunctionCall("search", {"query": "x", "topk": "0"})
+    action = p.validate_call(call, zero_topk_is_default=False)
+    assert action == p.SearchAction("x", 0)
+    out = p.render_search_results("x", [PAGE_A, PAGE_B], set(), action.topk)
+    assert out.count("--- #") == 1
 
 
 def test_coordinator_validation():

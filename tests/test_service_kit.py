@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from typing import ClassVar
 import grpc
 import httpx
 import pytest
+import typer
 from conftest import find_free_port, wait_for_port, wait_until
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
@@ -30,19 +32,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import generate_latest
 from pydantic import BaseModel, Field, SecretStr
+from typer.testing import CliRunner, Result
 
 from core.kit import logging as kit_logging
 from core.kit.auth import require_admin
+from core.kit.cli import ServeCommand, serve_command
 from core.kit.grpc_server import GrpcServer, aio_channel, service_full_name
 from core.kit.http import create_app, uvicorn_server
 from core.kit.metrics import new_registry, start_metrics_server
-from core.kit.settings import (
-    ServiceSettings,
-    SettingsError,
-    env_var_name,
-    load_settings,
-    settings_help,
-)
+from core.kit.settings import ServiceSettings, SettingsError, env_var_name, load_settings
 from core.v1 import judge_pb2, judge_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -163,7 +161,7 @@ def test_admin_token_is_a_secret_everywhere(monkeypatch: pytest.MonkeyPatch) -> 
         str(settings),
         settings.model_dump_json(),
         str(settings.model_dump()),
-        settings_help(KitSettings),
+        _serve_kit("--help").output,
     ):
         assert TOKEN not in text
     # A bad secret value is not echoed in the error either.
@@ -174,16 +172,45 @@ def test_admin_token_is_a_secret_everywhere(monkeypatch: pytest.MonkeyPatch) -> 
     assert load_settings(KitSettings).admin_token is None  # empty = unset = admin disabled
 
 
-def test_settings_help_lists_env_vars() -> None:
-    text = settings_help(KitSettings)
-    for fragment in (
-        "batch_size",
-        "BCSTACK_KIT_TEST_BATCH_SIZE",
-        "items per batch",
-        "BCSTACK_ADMIN_TOKEN",
-        "--config",
-    ):
-        assert fragment in text
+def _serve_kit(*args: str, served: list[KitSettings] | None = None) -> Result:
+    """`serve kit-test ARGS`, built by serve_command from KitSettings; `served` gets the settings."""
+    app = typer.Typer(add_completion=False)
+    command = serve_command(
+        KitSettings, (served if served is not None else []).append, help="Serve the kit test.",
+        aliases={"batch_size": "--batch"}, omit=("metrics_port",),
+    )  # fmt: skip
+    app.command(cls=ServeCommand)(command)
+    return CliRunner().invoke(app, list(args))
+
+
+def test_serve_command_options_are_the_settings() -> None:
+    help_text = _serve_kit("--help").output
+    options = set(re.findall(r"^  (--[a-z-]+)", help_text, re.MULTILINE))
+    secret_and_omitted = {"--admin-token", "--metrics-port"}
+    expected = {"--" + name.replace("_", "-") for name in KitSettings.model_fields} - secret_and_omitted
+    assert options == expected | {"--config", "--help"}
+    assert "--batch " in help_text  # the alias
+    env_vars = set(re.findall(r"BCSTACK_[A-Z_]+", help_text))
+    assert env_vars == {env_var_name(KitSettings, name) for name in KitSettings.model_fields} - {
+        "BCSTACK_KIT_TEST_METRICS_PORT"
+    }
+
+
+def test_serve_command_option_beats_env_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BCSTACK_KIT_TEST_BATCH_SIZE", "16")
+    monkeypatch.setenv("BCSTACK_KIT_TEST_LABEL", "from-env")
+    served: list[KitSettings] = []
+    result = _serve_kit("--batch", "8", "--log-json", "true", served=served)
+    assert result.exit_code == 0, result.output
+    (settings,) = served
+    assert (settings.batch_size, settings.label, settings.port) == (8, "from-env", 8100)
+    assert settings.log_json is True
+    # Values are checked by the settings model, and the message names where the value came from.
+    bad = _serve_kit("--batch-size", "0")
+    assert bad.exit_code == 2 and "invalid option --batch-size" in bad.output
+    monkeypatch.setenv("BCSTACK_KIT_TEST_PORT", "eighty")
+    bad = _serve_kit()
+    assert bad.exit_code == 2 and "invalid environment variable BCSTACK_KIT_TEST_PORT" in bad.output
 
 
 def _write(path: Path, text: str) -> Path:

@@ -105,8 +105,8 @@ def test_one_aligned_sample_per_worker_trajectory_and_failed_branches_skipped() 
     assert not s0.mixed_versions
 
 
-def test_group_falls_back_to_question_and_reward_to_the_record() -> None:
-    rec = record(group_id="", reward=0.0)
+def test_group_falls_back_to_question_and_reward_to_the_recorded_grade() -> None:
+    rec = record(group_id="", grades={"correct": False, "grader_version": "rule-v1"})
     (sample,) = samples_from_record(rec)
     assert sample.group_id == "q1"
     assert sample.episode_reward == 0.0

@@ -21,17 +21,16 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import trainer.export as export_module
-from devkit.modelkit.build import build_tiny_kit
-from trainer.cli import app
-from trainer.export import (
+from core.checkpoint import (
     SUMS_FILE,
-    ExportError,
     VerifyError,
     expected_tensors,
-    export_checkpoint,
     verify_checkpoint,
     write_sha256sums,
 )
+from devkit.modelkit.build import build_tiny_kit
+from trainer.cli import app
+from trainer.export import ExportError, export_checkpoint
 
 TOKENS = 4105  # the kit's tokenizer: 4,096 BPE tokens + 9 added (Qwen3's special and control tokens)
 PADDED_ROWS = 4224
@@ -72,10 +71,10 @@ def _edit_json(folder: Path, name: str, edit: Callable[[dict], None]) -> None:
     write_sha256sums(folder)
 
 
-def _qwen3_4b_config(tie_word_embeddings: bool = True):
+def _qwen3_4b_config(tie_word_embeddings: bool = True) -> dict:
     from transformers import Qwen3Config
 
-    # Qwen/Qwen3-4B's config.json (public values).
+    # Qwen/Qwen3-4B's config.json (public values), as transformers writes it.
     return Qwen3Config(
         vocab_size=151936,
         hidden_size=2560,
@@ -89,7 +88,7 @@ def _qwen3_4b_config(tie_word_embeddings: bool = True):
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=tie_word_embeddings,
         attention_bias=False,
-    )
+    ).to_dict()
 
 
 def test_export_of_the_tiny_model_verifies(kit: Path, served: tuple[Path, dict]) -> None:
@@ -208,16 +207,16 @@ def test_serving_model_loads_with_transformers_and_matches_the_original_logits(
 def test_qwen3_4b_layout_has_398_tensors_tied_and_399_untied() -> None:
     tied = expected_tensors(_qwen3_4b_config())
     assert len(tied) == 398
-    assert tied[EMBEDDING] == ((151936, 2560), torch.bfloat16)
+    assert tied[EMBEDDING] == ((151936, 2560), "BF16")
     assert "lm_head.weight" not in tied
-    assert tied["model.layers.35.self_attn.q_proj.weight"] == ((4096, 2560), torch.bfloat16)
-    assert tied["model.layers.35.self_attn.k_proj.weight"] == ((1024, 2560), torch.bfloat16)
-    assert tied["model.layers.0.self_attn.q_norm.weight"] == ((128,), torch.bfloat16)
-    assert tied["model.layers.0.mlp.down_proj.weight"] == ((2560, 9728), torch.bfloat16)
-    assert {dtype for _, dtype in tied.values()} == {torch.bfloat16}
+    assert tied["model.layers.35.self_attn.q_proj.weight"] == ((4096, 2560), "BF16")
+    assert tied["model.layers.35.self_attn.k_proj.weight"] == ((1024, 2560), "BF16")
+    assert tied["model.layers.0.self_attn.q_norm.weight"] == ((128,), "BF16")
+    assert tied["model.layers.0.mlp.down_proj.weight"] == ((2560, 9728), "BF16")
+    assert {dtype for _, dtype in tied.values()} == {"BF16"}
 
     untied = expected_tensors(_qwen3_4b_config(tie_word_embeddings=False))
-    assert len(untied) == 399 and untied["lm_head.weight"] == ((151936, 2560), torch.bfloat16)
+    assert len(untied) == 399 and untied["lm_head.weight"] == ((151936, 2560), "BF16")
     # The Megatron export's padded rows, from the row count alone.
     assert expected_tensors(_qwen3_4b_config(), vocab_size=152064)[EMBEDDING][0] == (152064, 2560)
 

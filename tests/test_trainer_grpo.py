@@ -21,9 +21,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from bcstack.stack import down, up
+from core.checkpoint import verify_checkpoint
+from core.records import EpisodeRecord
 from trainer.cli import app
 from trainer.data import Sample
-from trainer.export import verify_checkpoint
 from trainer.grpo import (
     EpisodeGrades,
     GradedEpisode,
@@ -114,9 +115,9 @@ def test_the_grader_hook_sets_rewards_and_the_policy_learns(stack: dict[str, Pat
     # A stand-in judge that calls the first episode of each group correct.
     seen: set[str] = set()
 
-    def first_of_group_wins(record: dict) -> EpisodeGrades:
-        first = record["group_id"] not in seen
-        seen.add(record["group_id"])
+    def first_of_group_wins(record: EpisodeRecord) -> EpisodeGrades:
+        first = record.group_id not in seen
+        seen.add(record.group_id)
         return EpisodeGrades(reward=1.0 if first else 0.0, contributions={})
 
     [step] = train(

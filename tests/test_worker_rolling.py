@@ -26,10 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from typer.testing import CliRunner
 
+from core.checkpoint import SUMS_FILE, VerifyError, verify_checkpoint
 from devkit.modelkit.build import build_tiny_kit
 from services.worker.reload_cli import app
 from services.worker.watch import CheckpointWatcher
-from trainer.export import SUMS_FILE, VerifyError, export_checkpoint, verify_checkpoint
+from trainer.export import export_checkpoint
 
 TOKEN = "s3cret"
 runner = CliRunner()

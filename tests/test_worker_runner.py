@@ -166,8 +166,8 @@ def test_the_41st_turn_never_starts(tokenizer, world):
     runner = EpisodeRunner(engine, ToyRetrievalClient(world.corpus[:50]), tokenizer)
     result = _run(runner, _task("anything"), limits=BudgetLimits(max_tokens=100_000, context_length=100_000))
     assert result.status == "turns" and result.turns == 40 and len(engine.calls) == 40
-    # A turn without a call gets the no-call observation and the episode goes on.
-    assert result.messages[3]["content"].startswith(p.NO_CALL_ERROR)
+    # A turn without a call gets the no-call line alone (no nudge) and the episode goes on.
+    assert result.messages[3]["content"] == p.NO_CALL_ERROR
 
 
 def test_a_cut_turn_gets_its_end_token_with_mask_zero(tokenizer, world):
@@ -221,8 +221,10 @@ def test_retrieval_down_is_an_error_stop(tokenizer, world):
 
 
 def test_empty_finish_is_bounced_and_nudge_is_a_setting(tokenizer, world):
+    search = "<function=search>\n<parameter=query>Rukleind</parameter>\n</function>"
     replies = iter(
         [
+            search,
             "<function=finish>\n<parameter=answer></parameter>\n</function>",
             "<function=finish>\n<parameter=answer>42</parameter>\n</function>",
         ]
@@ -231,13 +233,15 @@ def test_empty_finish_is_bounced_and_nudge_is_a_setting(tokenizer, world):
     runner = EpisodeRunner(engine, ToyRetrievalClient(world.corpus[:50]), tokenizer)
     result = _run(runner, _task("x"))
     assert result.status == "finish" and result.answer == "42"
-    assert result.messages[3]["content"] == p.EMPTY_FINISH_RESUBMIT
+    assert result.messages[3]["content"].endswith(p.REFLECTION_NUDGE.strip())
+    assert result.messages[5]["content"] == p.EMPTY_FINISH_RESUBMIT
 
-    engine = PolicyEngine(tokenizer, lambda _m: "no call here")
+    engine = PolicyEngine(tokenizer, lambda _m: search)
     no_nudge = ProtocolSettings(reflection_nudge=False)
     quiet = EpisodeRunner(engine, ToyRetrievalClient(world.corpus[:50]), tokenizer, protocol=no_nudge)
     result = _run(quiet, _task("x"), limits=BudgetLimits(max_turns=2))
-    assert result.messages[3]["content"] == p.NO_CALL_ERROR
+    assert result.messages[3]["content"].startswith('[Search Results for "Rukleind"]')
+    assert p.REFLECTION_NUDGE.strip() not in result.messages[3]["content"]
 
 
 def test_stop_gate_can_ask_for_an_answer(tokenizer, world):

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from core import budget
 from core.kit.cli import fail
 
 app = typer.Typer(
@@ -100,7 +101,8 @@ def export(
     byte), every tensor's key, shape and dtype checked, tokenizer files and chat template restored,
     SHA256SUMS written last. The export is built beside --out and renamed into place when verified.
     """
-    from trainer.export import ExportError, VerifyError, export_checkpoint
+    from core.checkpoint import VerifyError
+    from trainer.export import ExportError, export_checkpoint
 
     console = Console(stderr=True)
     started = time.perf_counter()
@@ -143,7 +145,7 @@ def verify(
 
     Prints a summary, or the first problem as one `error:` line (exit 2).
     """
-    from trainer.export import VerifyError, verify_checkpoint
+    from core.checkpoint import VerifyError, verify_checkpoint
 
     console = Console(stderr=True)
     started = time.perf_counter()
@@ -182,7 +184,7 @@ def grpo(
     ),
     lr: float = typer.Option(1e-6, "--lr", min=0.0, help="AdamW learning rate (seed 000: 1e-6)."),
     micro_batch_tokens: int = typer.Option(
-        24_576,
+        budget.MAX_TOKENS,
         "--micro-batch-tokens",
         min=1,
         help="Token budget of one packed micro-batch; the longest trajectory must fit.",
@@ -212,9 +214,10 @@ def grpo(
     with AdamW, logs each step to stdout and OUT/metrics.jsonl, checkpoints to OUT/checkpoints and
     exports the final policy to OUT/serving. Bad input is one `error:` line (exit 2).
     """
+    from core.checkpoint import VerifyError
     from trainer.checkpoint import CheckpointError
     from trainer.data import SampleError
-    from trainer.export import ExportError, VerifyError
+    from trainer.export import ExportError
     from trainer.grpo import GRPOError, rule_grades, train
 
     graders = {GraderChoice.rule: rule_grades}

@@ -1,9 +1,11 @@
 """Rollout data for the trainer: episode records (DESIGN.md §4) turned into validated samples.
 
-The coordinator gateway stores one record per episode (`services.coordinator.service.episode_record`),
-each with its workers' trajectories: token ids, a loss mask (1 on tokens the worker model generated),
-and one rollout log-prob per generated token. The trainer learns from worker trajectories only, so a
-`Sample` is one worker trajectory plus the ids and rewards that place it in its GRPO group.
+The coordinator gateway stores one typed record per episode (`core.records.EpisodeRecord`), each
+with its workers' trajectories: token ids, a loss mask (1 on tokens the worker model generated),
+and one rollout log-prob per generated token. The record's own validation is the edge: a
+trajectory that breaks an invariant is rejected there with its one-line reason. The trainer
+learns from worker trajectories only, so a `Sample` is one worker trajectory plus the ids and
+rewards that place it in its GRPO group.
 
     samples, counts = load_samples(Path("coordinator-records.sqlite"), rewards={"e1": 1.0})
     groups = group_samples(samples)
@@ -17,11 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from core.records import EpisodeRecord, RecordError, load_lenient
 
 logger = logging.getLogger(__name__)
 
@@ -67,46 +70,6 @@ class Sample:
 # --- one record ------------------------------------------------------------------------------------
 
 
-def _check_trajectory(trajectory: Mapping[str, Any]) -> tuple[list[int], list[int], list[float]]:
-    """The trajectory's token ids, loss mask and aligned log-probs; raises ValueError saying what is wrong."""
-    token_ids = list(trajectory.get("token_ids") or [])
-    loss_mask = list(trajectory.get("loss_mask") or [])
-    logprobs = list(trajectory.get("rollout_logprobs") or [])
-    if not token_ids:
-        raise ValueError("empty trajectory (no token ids)")
-    if len(loss_mask) != len(token_ids):
-        raise ValueError(f"loss_mask has {len(loss_mask)} entries for {len(token_ids)} token ids")
-    bad_ids = [i for i, t in enumerate(token_ids) if isinstance(t, bool) or not isinstance(t, int) or t < 0]
-    if bad_ids:
-        raise ValueError(f"token id at position {bad_ids[0]} is {token_ids[bad_ids[0]]!r}, not a token id")
-    bad_mask = [
-        i for i, m in enumerate(loss_mask) if isinstance(m, bool) or not isinstance(m, int) or m not in (0, 1)
-    ]
-    if bad_mask:
-        raise ValueError(
-            f"loss_mask value at position {bad_mask[0]} is {loss_mask[bad_mask[0]]!r}, not 0 or 1"
-        )
-    generated = sum(loss_mask)
-    if len(logprobs) != generated:
-        raise ValueError(f"{len(logprobs)} rollout_logprobs for {generated} loss_mask==1 tokens")
-    for i, lp in enumerate(logprobs):
-        if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 0:
-            raise ValueError(f"rollout_logprobs[{i}] is {lp!r}, not a finite log-probability <= 0")
-    if loss_mask[0] == 1:
-        # A token with nothing before it has no next-token log-prob to train or compare.
-        raise ValueError(
-            "the first token is marked as generated (loss_mask[0] == 1); a trajectory starts with its prompt"
-        )
-    values = iter(float(lp) for lp in logprobs)
-    aligned = [next(values) if m else 0.0 for m in loss_mask]
-    return token_ids, loss_mask, aligned
-
-
-def _weight_versions(trajectory: Mapping[str, Any]) -> tuple[str, ...]:
-    versions = (turn.get("weight_version") for turn in trajectory.get("turns") or [])
-    return tuple(dict.fromkeys(v for v in versions if v))
-
-
 @dataclass
 class _RecordResult:
     samples: list[Sample]
@@ -117,7 +80,7 @@ class _RecordResult:
 
 
 def _read_record(
-    record: Mapping[str, Any],
+    data: Mapping[str, Any] | EpisodeRecord,
     reward: float | None,
     contributions: Mapping[str, float] | None,
     mixed_versions: str,
@@ -126,26 +89,38 @@ def _read_record(
         raise ValueError(
             f"mixed_versions must be one of {', '.join(MIXED_VERSION_POLICIES)}, got {mixed_versions!r}"
         )
-    episode_id = str(record.get("episode_id") or "")
-    question_id = str(record.get("question_id") or "")
-    group_id = str(record.get("group_id") or question_id)
-    if reward is None and record.get("reward") is not None:
-        reward = float(record["reward"])
+    # The typed record is the edge: its invariants (core.records) are checked here, per trajectory,
+    # so one broken trajectory is rejected with its reason and its siblings still train.
+    if isinstance(data, EpisodeRecord):
+        record, rejections = data, []
+    else:
+        try:
+            record, rejections = load_lenient(data)
+        except RecordError as exc:
+            raise SampleError(str(exc)) from None
+    rejected = {r.index: r for r in rejections}
+    episode_id = record.episode_id
+    question_id = record.question_id or ""
+    group_id = record.group_id or question_id
+    if reward is None and record.grades is not None:
+        reward = record.grades.reward
     result = _RecordResult(samples=[], errors=[])
-    for index, worker in enumerate(record.get("workers") or []):
-        trajectory = worker.get("trajectory")
+    for index, worker in enumerate(record.workers):
+        worker_id = worker.episode_id or f"#{index}"
+        where = f"episode {episode_id or '?'}, worker {worker_id}"
+        if index in rejected:
+            result.trajectories += 1
+            result.errors.append(SampleError(f"{where}: {rejected[index].reason}"))
+            continue
+        trajectory = worker.trajectory
         if trajectory is None:  # a failed branch: no worker response came back
             result.skipped_failed += 1
             continue
         result.trajectories += 1
-        worker_id = str(worker.get("episode_id") or f"#{index}")
-        where = f"episode {episode_id or '?'}, worker {worker_id}"
-        try:
-            token_ids, loss_mask, logprobs = _check_trajectory(trajectory)
-        except ValueError as exc:
-            result.errors.append(SampleError(f"{where}: {exc}"))
+        if not trajectory.token_ids:
+            result.errors.append(SampleError(f"{where}: empty trajectory (no token ids)"))
             continue
-        versions = _weight_versions(trajectory)
+        versions = trajectory.weight_versions
         if len(versions) > 1 and mixed_versions != "keep":
             if mixed_versions == "drop":
                 result.dropped_mixed += 1
@@ -156,15 +131,13 @@ def _read_record(
             continue
         if contributions is not None and worker_id in contributions:
             contribution: float | None = float(contributions[worker_id])
-        elif worker.get("contribution") is not None:
-            contribution = float(worker["contribution"])
         else:
-            contribution = None
+            contribution = worker.contribution
         result.samples.append(
             Sample(
-                token_ids=token_ids,
-                loss_mask=loss_mask,
-                rollout_logprobs=logprobs,
+                token_ids=list(trajectory.token_ids),
+                loss_mask=list(trajectory.loss_mask),
+                rollout_logprobs=trajectory.aligned_logprobs(),
                 group_id=group_id,
                 episode_id=episode_id,
                 worker_episode_id=worker_id,
@@ -178,7 +151,7 @@ def _read_record(
 
 
 def samples_from_record(
-    record: Mapping[str, Any],
+    record: Mapping[str, Any] | EpisodeRecord,
     *,
     reward: float | None = None,
     contributions: Mapping[str, float] | None = None,
@@ -188,7 +161,7 @@ def samples_from_record(
 
     Workers whose trajectory is None (failed branches) are skipped. The group is the record's
     `group_id`, or its `question_id` when it has none. The episode reward is `reward`, else the
-    record's `reward`, else None; a worker's contribution is `contributions[worker episode id]`,
+    record's judge grade (`grades`), else None; a worker's contribution is `contributions[worker episode id]`,
     else the worker entry's `contribution`, else None.
 
     `mixed_versions` decides about trajectories whose turns ran on more than one weight version (a

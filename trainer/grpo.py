@@ -59,6 +59,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from core.budget import BudgetLimits
+from core.grading import RULE_VERSION, response_text, rule_answer, rule_contribution
+from core.records import EpisodeRecord, RecordError, WorkerRecord, load_lenient
 from trainer.advantages import EpisodeCredit, HierarchicalCredit, hierarchical_credit
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.data import Sample, group_samples, load_samples, read_records
@@ -100,44 +102,34 @@ class EpisodeGrades:
 # The hook for other graders: anything that grades one episode record. The judge proxy will plug
 # in here (POST /v1/grade and /v1/grade/contribution, or their /batch forms), returning the same
 # EpisodeGrades; `rule_grades` is the embedded default judge, run in-process.
-Grader = Callable[[Mapping[str, Any]], EpisodeGrades]
+Grader = Callable[[EpisodeRecord], EpisodeGrades]
 
 
-def final_response(record: Mapping[str, Any]) -> str:
+def final_response(record: EpisodeRecord) -> str:
     """The episode's final answer in the BrowseComp answer format the graders read."""
-    from core.grading import response_text
-
-    return response_text(
-        str(record.get("answer") or ""),
-        str(record.get("explanation") or ""),
-        str(record.get("confidence") or ""),
-    )
+    return response_text(record.answer, record.explanation, record.confidence)
 
 
-def worker_report(worker: Mapping[str, Any]) -> str:
+def worker_report(worker: WorkerRecord) -> str:
     """A worker's report as the coordinator read it (its raw text), else its answer and explanation."""
-    report = worker.get("report") or {}
-    if report.get("raw_text"):
-        return str(report["raw_text"])
-    return f"{report.get('answer') or ''}\n{report.get('explanation') or ''}"
+    if worker.report.raw_text:
+        return worker.report.raw_text
+    return f"{worker.report.answer}\n{worker.report.explanation}"
 
 
-def rule_grades(record: Mapping[str, Any]) -> EpisodeGrades:
+def rule_grades(record: EpisodeRecord) -> EpisodeGrades:
     """The rule grader (the embedded judge's backend): normalized exact or numeric answer match for
     the reward; for each worker, decisive (1.0) if its report contains the gold answer, marginal if
     it contains only the (wrong) final answer, none (0.0) otherwise."""
-    from core.grading import RULE_VERSION, rule_answer, rule_contribution
-
-    gold = str(record["gold_answer"])
+    gold = str(record.gold_answer)
     verdict = rule_answer(final_response(record), gold, RULE_VERSION)
-    answer = str(record.get("answer") or "")
     contributions = {
         # keyed like trainer.data keys a worker trajectory
-        str(worker.get("episode_id") or f"#{i}"): rule_contribution(
-            worker_report(worker), answer, gold, RULE_VERSION
+        worker.episode_id or f"#{i}": rule_contribution(
+            worker_report(worker), record.answer, gold, RULE_VERSION
         ).score
-        for i, worker in enumerate(record.get("workers") or [])
-        if worker.get("trajectory") is not None
+        for i, worker in enumerate(record.workers)
+        if worker.trajectory is not None
     }
     return EpisodeGrades(reward=1.0 if verdict.correct else 0.0, contributions=contributions)
 
@@ -164,18 +156,24 @@ def grade_records(
     contributions: dict[str, float] = {}
     episodes: list[GradedEpisode] = []
     no_gold: list[str] = []
-    for origin, record in read_records(Path(path)):
-        if not str(record.get("gold_answer") or "").strip():
-            no_gold.append(str(record.get("episode_id") or origin))
+    for origin, data in read_records(Path(path)):
+        try:
+            # Broken trajectories are set aside here and reported by load_samples; the grade needs
+            # only the answer, the reports and the gold answer.
+            record, _ = load_lenient(data)
+        except RecordError as exc:
+            raise GRPOError(f"{origin}: {exc}") from None
+        if not (record.gold_answer or "").strip():
+            no_gold.append(record.episode_id or origin)
             continue
         grades = grader(record)
-        episode_id = str(record.get("episode_id"))
+        episode_id = record.episode_id
         if episode_id in rewards:
             raise GRPOError(f"{path}: episode {episode_id} appears twice")
         rewards[episode_id] = float(grades.reward)
         contributions.update({k: float(v) for k, v in grades.contributions.items() if v is not None})
         # The group, as trainer.data assigns it: group_id, else question_id.
-        group_id = str(record.get("group_id") or record.get("question_id") or "")
+        group_id = record.group_id or record.question_id or ""
         episodes.append(GradedEpisode(episode_id, group_id, float(grades.reward)))
     if no_gold:
         shown = ", ".join(no_gold[:5]) + (f" and {len(no_gold) - 5} more" if len(no_gold) > 5 else "")

@@ -12,13 +12,21 @@ incomplete run as wrong and seed 001 keeps budget-exhausted episodes in the deno
 Metrics (REFERENCE.md, BrowseComp-Plus): accuracy per tier and in total with a Wilson 95% interval,
 average ``search`` / ``open_page`` calls, evidence recall over ``retrieved_docids``, HLE-style RMS
 calibration error, stop-reason counts, and with a baseline directory the paired comparison of the
-card (improved / regressed, percentage-point difference with a paired interval, exact McNemar test).
+card (improved / regressed, percentage-point difference with Newcombe's paired score interval,
+exact McNemar test).
+
+Calibration is measured only over judgements with a stated confidence (``confidence`` not null):
+an episode that never finished states none, and scoring it at 0% would make an untrained model
+look perfectly calibrated (0% confidence, 0% correct). Those judgements are counted separately
+(``calibration_unstated``). Files written before the runner recorded null hold 0 there; they are
+read as stated.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -26,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.stats import binomtest, norm
+from scipy.stats import binomtest
 
 # The runner names run files; ids with unsafe characters get a sanitised, hashed name.
 from bcstack.evaluation.runner import run_file_name
@@ -39,6 +47,7 @@ QUESTIONS_FILE = "questions.jsonl"
 RUNS_DIR = "runs"
 REPORT_FILES = {"markdown": "report.md", "json": "report.json", "png": "report.png"}
 NOT_AVAILABLE = "—"
+PAIRED_INTERVAL_METHOD = "Newcombe hybrid score (1998, method 10)"
 
 Key = tuple[str, int]  # (query_id, round)
 
@@ -68,39 +77,72 @@ def wilson_interval(correct: int, total: int, confidence: float = CONFIDENCE_LEV
     return (float(ci.low), float(ci.high))
 
 
+def paired_difference_interval(
+    both: int, improved: int, regressed: int, neither: int, confidence: float = CONFIDENCE_LEVEL
+) -> tuple[float, float]:
+    """Newcombe's hybrid score interval for a difference of paired proportions, as fractions.
+
+    Pairs: a = ``both`` right, b = ``improved`` (right in run 1 only), c = ``regressed`` (right in
+    run 2 only), d = ``neither``; n = a + b + c + d, p1 = (a + b)/n, p2 = (a + c)/n and the
+    difference is theta = p1 - p2 = (b - c)/n. With (l1, u1) and (l2, u2) the Wilson score
+    intervals of p1 and p2 (``wilson_interval``, scipy) and phi their estimated correlation,
+
+        L = theta - sqrt((p1 - l1)^2 - 2 phi (p1 - l1)(u2 - p2) + (u2 - p2)^2)
+        U = theta + sqrt((u1 - p1)^2 - 2 phi (u1 - p1)(p2 - l2) + (p2 - l2)^2)
+
+    phi = C / sqrt((a + b)(c + d)(a + c)(b + d)), with C = ad - bc - n/2 when ad - bc > n/2, 0 when
+    0 <= ad - bc <= n/2, ad - bc when it is negative, and phi = 0 when a margin is empty.
+    Source: Newcombe 1998, "Improved confidence intervals for the difference between binomial
+    proportions based on paired data", Stat. Med. 17:2635-2650, method 10 (the same interval is
+    ratesci's ``pairbinci(method_RD="MOVER_newc", moverbase="wilson")`` and the "Newcombe
+    square-and-add" interval of Fagerland, Lydersen & Laake 2014, Stat. Med. 33:2850). Written by
+    hand: scipy has no paired-difference interval and statsmodels' score intervals are for
+    independent samples. Unlike the Wald interval it does not collapse to a point when b or c is
+    0 or n, and it stays inside [-1, 1]. ``(nan, nan)`` when n is 0.
+    """
+    a, b, c, d = both, improved, regressed, neither
+    n = a + b + c + d
+    if n == 0:
+        return (math.nan, math.nan)
+    p1, p2 = (a + b) / n, (a + c) / n
+    l1, u1 = wilson_interval(a + b, n, confidence)
+    l2, u2 = wilson_interval(a + c, n, confidence)
+    margins = (a + b) * (c + d) * (a + c) * (b + d)
+    excess = a * d - b * c
+    corrected = excess - n / 2 if excess > n / 2 else min(excess, 0)
+    phi = corrected / math.sqrt(margins) if margins else 0.0
+    below = (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2
+    above = (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2
+    theta = p1 - p2
+    return (theta - math.sqrt(max(below, 0.0)), theta + math.sqrt(max(above, 0.0)))
+
+
 def paired_comparison(
     this: dict[Key, bool], baseline: dict[Key, bool], confidence: float = CONFIDENCE_LEVEL
 ) -> dict[str, Any]:
     """Compare two runs on the (query_id, round) keys present in both.
 
     ``improved`` (b) = baseline wrong and this right, ``regressed`` (c) = the reverse,
-    ``delta_pp`` = 100 (b - c) / n. The interval is the Wald interval for a difference of paired
-    proportions, var(p1 - p2) = [(b + c)/n - ((b - c)/n)^2] / n, i.e.
-    se = sqrt(b + c - (b - c)^2 / n) / n (Agresti, *Categorical Data Analysis*, 3rd ed., §11.1;
-    Newcombe 1998, "Improved confidence intervals for the difference between binomial proportions
-    based on paired data", Stat. Med. 17:2635, method 1). The p-value is the exact (binomial)
+    ``delta_pp`` = 100 (b - c) / n with Newcombe's hybrid score interval
+    (``paired_difference_interval``, this run as run 1). The p-value is the exact (binomial)
     McNemar test, ``binomtest(min(b, c), b + c, 0.5)``, 1.0 when no pair is discordant.
     Keys present in only one run are listed, not silently dropped.
     """
     common = sorted(this.keys() & baseline.keys())
     counts = Counter((baseline[k], this[k]) for k in common)
     b, c = counts[(False, True)], counts[(True, False)]
+    both, neither = counts[(True, True)], counts[(False, False)]
     n = len(common)
-    if n:
-        delta = (b - c) / n
-        half = float(norm.ppf(0.5 + confidence / 2)) * math.sqrt(max(b + c - (b - c) ** 2 / n, 0.0)) / n
-        ci = (100 * (delta - half), 100 * (delta + half))
-        delta_pp = 100 * delta
-    else:
-        delta_pp, ci = math.nan, (math.nan, math.nan)
+    lo, hi = paired_difference_interval(both, b, c, neither, confidence)
     return {
         "n": n,
         "improved": b,
         "regressed": c,
-        "both_correct": counts[(True, True)],
-        "both_wrong": counts[(False, False)],
-        "delta_pp": delta_pp,
-        "delta_ci_pp": ci,
+        "both_correct": both,
+        "both_wrong": neither,
+        "delta_pp": 100 * (b - c) / n if n else math.nan,
+        "delta_ci_pp": (100 * lo, 100 * hi),
+        "delta_ci_method": PAIRED_INTERVAL_METHOD,
         "confidence_level": confidence,
         "mcnemar_p": float(binomtest(min(b, c), b + c, 0.5).pvalue) if b + c else 1.0,
         "only_in_this": [list(k) for k in sorted(this.keys() - baseline.keys())],
@@ -171,8 +213,9 @@ class Report:
     avg_open_page_calls: float
     evidence_recall: float | None  # None when no question lists evidence docs
     evidence_recall_n: int
-    calibration_error: float | None  # None when no judgement has a confidence
-    calibration_n: int
+    calibration_error: float | None  # None when no judgement states a confidence
+    calibration_n: int  # judgements with a stated confidence: the calibration error's items
+    calibration_unstated: int  # judgements without one: in no calibration bin
     status_counts: dict[str, int]
     paired: dict[str, Any] | None = None
     baseline: Report | None = None
@@ -405,6 +448,7 @@ def _summarise(eval_dir: Path) -> tuple[Report, dict[Key, bool]]:
             else None
         ),
         calibration_n=len(calibrated),
+        calibration_unstated=total - len(calibrated),
         status_counts=dict(sorted(statuses.items(), key=lambda kv: (-kv[1], kv[0]))),
     )
     return report, {j.key: j.correct is True for j in judgements}
@@ -432,6 +476,15 @@ def _p_value(p: float) -> str:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
+
+
+def calibration_line(r: Report) -> str:
+    """The calibration error and what it is over, as the Markdown and the PNG print it."""
+    value = NOT_AVAILABLE if r.calibration_error is None else _pct(r.calibration_error)
+    return (
+        f"Calibration error (HLE-style RMS, β={CALIBRATION_BIN_SIZE}): {value} (calibration over "
+        f"{r.calibration_n} judgements with a stated confidence; {r.calibration_unstated} without one)"
+    )
 
 
 def _table_row(name: str, r: Report) -> str:
@@ -476,11 +529,7 @@ def render_markdown(report: Report, name: str = "this run", baseline_name: str =
             f"- Evidence recall: {_pct(r.evidence_recall)} (mean over {r.evidence_recall_n} episodes "
             "whose question lists evidence docs)"
         )
-    if r.calibration_error is not None:
-        lines.append(
-            f"- Calibration error (HLE-style RMS, β={CALIBRATION_BIN_SIZE}): {_pct(r.calibration_error)} "
-            f"(over {r.calibration_n} judgements with a confidence)"
-        )
+    lines.append(f"- {calibration_line(r)}")
     statuses = ", ".join(f"{status} {count}" for status, count in r.status_counts.items())
     lines.append(f"- Status: {statuses}")
     if r.baseline is not None:
@@ -493,8 +542,8 @@ def render_markdown(report: Report, name: str = "this run", baseline_name: str =
             lo, hi = p["delta_ci_pp"]
             lines.append(
                 f"Paired improvement: {p['improved']} questions improved, {p['regressed']} regressed, "
-                f"{p['delta_pp']:+.2f} percentage points (95% CI {lo:+.2f} to {hi:+.2f}; "
-                f"exact McNemar p = {_p_value(p['mcnemar_p'])})"
+                f"{p['delta_pp']:+.2f} percentage points ({100 * p['confidence_level']:g}% CI "
+                f"{lo:+.2f} to {hi:+.2f}, Newcombe score; exact McNemar p = {_p_value(p['mcnemar_p'])})"
             )
             lines.append(
                 f"Paired over {p['n']} (question, round) pairs: both correct {p['both_correct']}, "
@@ -521,15 +570,22 @@ def _bar_values(r: Report) -> tuple[list[float], list[float], list[float], list[
     return heights, below, above, empty
 
 
-def _plot(report: Report, path: Path, name: str, baseline_name: str) -> None:
+def report_figure(report: Report, name: str, baseline_name: str) -> Any:
+    """The PNG's figure: accuracy bars with Wilson intervals, each run's calibration line below."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4, 4.0), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
     series = [(baseline_name, report.baseline)] if report.baseline is not None else []
     series.append((name, report))
+    footer = [
+        line
+        for label, r in series
+        for line in textwrap.wrap(f"{label}: {calibration_line(r)}", 118, subsequent_indent="    ")
+    ]
+    footer_in = 0.13 * len(footer) + 0.15
+    fig = Figure(figsize=(6.4, 4.0 + footer_in), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     labels = [t.capitalize() for t in TIERS] + ["Total"]
     width = 0.8 / len(series)
     for i, (label, r) in enumerate(series):
@@ -545,8 +601,10 @@ def _plot(report: Report, path: Path, name: str, baseline_name: str) -> None:
     ax.set_ylabel("accuracy (%)")
     ax.set_title("Accuracy with Wilson 95% intervals")
     ax.legend(loc="upper center", ncols=len(series), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
+    height = fig.get_figheight()
+    fig.text(0.01, 0.08 / height, "\n".join(footer), fontsize=6.5, ha="left", va="bottom")
+    fig.tight_layout(rect=(0, footer_in / height, 1, 1))
+    return fig
 
 
 def write_report(
@@ -559,5 +617,5 @@ def write_report(
     paths["json"].write_text(
         json.dumps(report.to_dict(), indent=2, ensure_ascii=False, allow_nan=False) + "\n", encoding="utf-8"
     )
-    _plot(report, paths["png"], name, baseline_name)
+    report_figure(report, name, baseline_name).savefig(paths["png"], format="png")
     return paths

@@ -10,7 +10,8 @@ Resume: a (question, round) with a judgement line is done and is never redone. O
 again with the same episode id, so an episode that finished on the gateway before the runner was
 killed comes back from the gateway's records instead of being run twice. Episodes that end on a
 budget, a limit or an error are written and graded like any other: the denominator is always
-questions × rounds.
+questions × rounds. The judgement's `confidence` is null when the episode stated none (it never
+called finish), so that the report leaves it out of the calibration error.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 import httpx
 
 from bcstack.evaluation.loaders import EvalQuestion
-from core.grading import response_text
+from core.grading import response_confidence, response_text
+from core.records import EpisodeGrades, EpisodeRecord, RecordError
 
 JUDGEMENTS = "judgements.jsonl"
 META = "eval.json"
@@ -48,30 +50,42 @@ class Task:
     round: int
 
 
-def run_file(record: dict[str, Any], query_id: str) -> dict[str, Any]:
+def run_file(record: EpisodeRecord, query_id: str) -> dict[str, Any]:
     """A BrowseComp-Plus run file from an episode record."""
     counts: Counter[str] = Counter()
     retrieved: list[str] = []
-    for worker in record.get("workers", []):
-        trajectory = worker.get("trajectory") or {}
-        for call in trajectory.get("tool_calls", []):
-            counts[call["name"]] += 1
-            if call["name"] == "search":
-                retrieved += [d for d in call.get("docids", []) if d not in retrieved]
-    counts["branch"] = len(record.get("workers", []))
-    output = response_text(
-        record.get("answer", ""), record.get("explanation", ""), record.get("confidence", "")
-    )
+    for worker in record.workers:
+        for call in worker.trajectory.tool_calls if worker.trajectory else []:
+            counts[call.name] += 1
+            if call.name == "search":
+                retrieved += [d for d in call.docids if d not in retrieved]
+    counts["branch"] = len(record.workers)
+    output = response_text(record.answer, record.explanation, record.confidence)
     return {
         "query_id": query_id,
         "tool_call_counts": dict(counts),
-        "status": record.get("status", "error"),
+        "status": record.status,
         "retrieved_docids": retrieved,
         "result": [{"type": "output_text", "output": output}],
-        "episode_id": record.get("episode_id"),
-        "endpoint": record.get("endpoint"),
-        "weight_versions": record.get("weight_versions", []),
+        "episode_id": record.episode_id,
+        "endpoint": record.endpoint,
+        "weight_versions": record.weight_versions,
     }
+
+
+def judgement_confidence(response: str, grade: dict[str, Any]) -> float | None:
+    """The confidence (0-100) a judgement records: the judge's reading of the one the response
+    states, the response's own when the judge gave none (ungraded), and None when it states none.
+
+    The judge's value alone cannot tell "none stated": the answer template has an LLM judge write
+    100 for a response without a confidence. An unstated one recorded as a number would put every
+    unfinished episode into the calibration error at a confidence nobody gave.
+    """
+    stated = response_confidence(response)
+    if stated is None:
+        return None
+    judged = grade.get("confidence")
+    return stated if judged is None else float(judged)
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -209,24 +223,28 @@ class EvalRunner:
         if self.worker_budget:
             body["worker_budget"] = self.worker_budget
         record = await self._episode(client, body)
-        response = response_text(
-            record.get("answer", ""), record.get("explanation", ""), record.get("confidence", "")
-        )
+        response = response_text(record.answer, record.explanation, record.confidence)
         grade = await self._grade(client, q.query, response, q.answer)
+        record.grades = EpisodeGrades(
+            correct=grade.get("correct"),
+            grader_version=str(grade.get("grader_version") or ""),
+            parse_error=bool(grade.get("parse_error")),
+            extracted_final_answer=str(grade.get("extracted_final_answer") or ""),
+        )
         name = run_file_name(q.query_id)
-        _write_json(self.out / "episodes" / str(rnd) / f"{name}.json", record)
+        _write_json(self.out / "episodes" / str(rnd) / f"{name}.json", record.dump())
         _write_json(self.out / "runs" / str(rnd) / f"{name}.json", run_file(record, q.query_id))
         row = {
             "query_id": q.query_id,
             "round": rnd,
             "tier": q.tier,
             "correct": grade.get("correct"),
-            "confidence": grade.get("confidence"),
-            "status": record.get("status", "error"),
-            "episode_id": record.get("episode_id", episode_id),
+            "confidence": judgement_confidence(response, grade),
+            "status": record.status,
+            "episode_id": record.episode_id or episode_id,
             "grader_version": grade.get("grader_version"),
             "grading_error": grade.get("error"),
-            "seconds": record.get("seconds"),
+            "seconds": record.seconds,
         }
         async with self._lock:  # whole lines, in completion order, durable before the next
             with (self.out / JUDGEMENTS).open("a") as f:
@@ -235,7 +253,7 @@ class EvalRunner:
                 os.fsync(f.fileno())
         return row
 
-    async def _episode(self, client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    async def _episode(self, client: httpx.AsyncClient, body: dict[str, Any]) -> EpisodeRecord:
         """The episode's full record; a gateway that is full (429) or briefly away is waited for."""
         for attempt in range(30):
             try:
@@ -256,7 +274,10 @@ class EvalRunner:
                 raise EvalRunError(
                     f"the gateway has no record of episode {episode_id} ({stored.status_code})"
                 )
-            return stored.json()
+            try:
+                return EpisodeRecord.load(stored.json())
+            except RecordError as exc:
+                raise EvalRunError(f"the gateway's record of episode {episode_id} is broken: {exc}") from None
         raise EvalRunError(f"the gateway {self.gateway} stayed full for 30 tries")
 
     async def _grade(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextvars
 import os
-import types
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -294,7 +293,7 @@ def _explain(
             where = f"config file {config_file}" if key in yaml_values else "options"
             problems.append(f"{where}: unknown setting {key!r}")
             continue
-        secret = field is not None and _is_secret(cls, field)
+        secret = field is not None and is_secret(cls, field)
         if key in overrides or (field is not None and field in overrides):
             where = f"option --{(field or key).replace('_', '-')}"
         elif field is not None and _env_source(cls, field) is not None:
@@ -332,7 +331,8 @@ def _env_source(cls: type[ServiceSettings], field: str) -> str | None:
     return None
 
 
-def _is_secret(cls: type[ServiceSettings], field: str) -> bool:
+def is_secret(cls: type[ServiceSettings], field: str) -> bool:
+    """Whether `field` holds a secret (a SecretStr): never printed, never a command-line option."""
     return _mentions(cls.model_fields[field].annotation, SecretStr)
 
 
@@ -345,48 +345,3 @@ def _mentions(annotation: Any, target: type) -> bool:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _type_name(annotation: Any) -> str:
-    if _mentions(annotation, SecretStr):
-        return "secret"
-    origin = typing.get_origin(annotation)
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if origin in (typing.Union, types.UnionType) and len(args) == 1:
-        return _type_name(args[0])
-    if origin is typing.Annotated:
-        return _type_name(args[0])
-    if origin is Literal:
-        return "|".join(str(a) for a in args)
-    if isinstance(annotation, type):
-        return annotation.__name__
-    return str(annotation).replace("typing.", "")
-
-
-def settings_help(cls: type[ServiceSettings]) -> str:
-    """Plain-text table of the settings: name, env var, type, default, description.
-
-    For `bcstack serve X --help`; secret defaults are never shown.
-    """
-    rows = []
-    for name, info in cls.model_fields.items():
-        if _is_secret(cls, name):
-            default = "unset"
-        elif info.is_required():
-            default = "required"
-        else:
-            value = info.get_default(call_default_factory=True)
-            default = "unset" if value is None else str(value)
-        rows.append(
-            (name, env_var_name(cls, name), _type_name(info.annotation), default, info.description or "")
-        )
-    # One setting per two lines, so the table survives an 80-column terminal.
-    lines = [
-        f"Settings of `{cls.service_name}` (precedence: option > environment variable > "
-        "--config YAML key > default):"
-    ]
-    for name, env, type_name, default, description in rows:
-        lines.append(f"  {name} ({type_name}, default {default})  env {env}")
-        if description:
-            lines.append(f"      {description}")
-    return "\n".join(line.rstrip() for line in lines)

@@ -3,6 +3,8 @@
     client = UpstreamClient(spec, resolve_api_key(spec), attempts=5, breaker=CircuitBreaker(5, 30.0))
     result = await client.chat(messages)        # ChatResult, or UpstreamError after the retries
 
+The breaker is `core.kit.breaker.CircuitBreaker`; the key comes from `core.kit.apikeys`.
+
 Every failure is an `UpstreamError` whose `kind` says what happened (see `KINDS`) and whose
 `str()` is one line naming the endpoint, e.g.
 `coordinator endpoint 'a': HTTP 503 after 5 attempts: The server is overloaded`.
@@ -13,10 +15,9 @@ once. Waits are exponential with full jitter (AWS "Exponential Backoff And Jitte
 shorter than the upstream's Retry-After (capped at `backoff_max_seconds`, so one misbehaving
 header cannot park an episode for an hour).
 
-The circuit breaker is per endpoint and shared by every episode using it: after `failures`
-consecutive failed attempts it opens and chats fail fast (`circuit_open`, no HTTP) until
-`reset_seconds` pass; then one trial request decides whether it closes or opens again. Client
-errors (4xx) say nothing about the endpoint's health and do not count.
+The circuit breaker is per endpoint and shared by every episode using it: while it is open,
+chats fail fast (`circuit_open`, no HTTP). Client errors (4xx) say nothing about the endpoint's
+health and do not count.
 
 The API key is sent only in the Authorization header: it is registered with the log redaction
 filter, scrubbed from upstream error messages, and never part of a repr or an exception.
@@ -29,7 +30,6 @@ import email.utils
 import json
 import logging
 import math
-import os
 import re
 import socket
 import time
@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_random_exponential
 
+from core.kit.breaker import CircuitBreaker
 from core.kit.logging import REDACTED, register_secret
 
 ENDPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -162,127 +163,6 @@ class ChatResult:
     finish_reason: str
     attempts: int  # HTTP attempts made, 1 when the first one answered
     seconds: float  # wall time of the whole call, retry waits included
-
-
-class CircuitBreaker:
-    """Consecutive-failure circuit breaker: closed -> open -> half_open -> closed | open.
-
-    Not thread-safe; meant for one event loop. `on_change` gets the new state on each transition.
-    """
-
-    def __init__(
-        self,
-        failures: int,
-        reset_seconds: float,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        on_change: Callable[[str], None] | None = None,
-    ) -> None:
-        if failures < 1:
-            raise ValueError(f"failures must be at least 1, got {failures}")
-        if reset_seconds < 0:
-            raise ValueError(f"reset_seconds must not be negative, got {reset_seconds}")
-        self.failures = failures
-        self.reset_seconds = reset_seconds
-        self._clock = clock
-        self._on_change = on_change
-        self._state = "closed"
-        self._consecutive = 0
-        self._opened_at = 0.0
-        self._trial_out = False
-
-    @property
-    def state(self) -> str:
-        return self._state
-
-    @property
-    def consecutive_failures(self) -> int:
-        return self._consecutive
-
-    def retry_in(self) -> float:
-        """Seconds until an open breaker lets a trial through (0 when it is not open)."""
-        if self._state != "open":
-            return 0.0
-        return max(0.0, self._opened_at + self.reset_seconds - self._clock())
-
-    def allow(self) -> bool:
-        if self._state == "closed":
-            return True
-        if self._state == "open":
-            if self._clock() - self._opened_at < self.reset_seconds:
-                return False
-            self._set("half_open")
-        if self._trial_out:
-            return False
-        self._trial_out = True
-        return True
-
-    def record_success(self) -> None:
-        self._consecutive = 0
-        self._trial_out = False
-        if self._state != "closed":
-            self._set("closed")
-
-    def record_failure(self) -> None:
-        self._consecutive += 1
-        if self._state == "half_open" or (self._state == "closed" and self._consecutive >= self.failures):
-            self._trial_out = False
-            self._opened_at = self._clock()
-            self._set("open")
-
-    def release(self) -> None:
-        """The half-open trial ended without a verdict (a 4xx, a cancelled call): allow another."""
-        if self._state == "half_open":
-            self._trial_out = False
-
-    def _set(self, state: str) -> None:
-        self._state = state
-        if self._on_change is not None:
-            self._on_change(state)
-
-    def __repr__(self) -> str:
-        return f"CircuitBreaker(state={self._state!r}, failures={self._consecutive}/{self.failures})"
-
-
-def read_api_key(spec: EndpointSpec, role: str = "coordinator") -> tuple[str | None, str | None]:
-    """(key, source) of `spec`: source is "env:NAME", "file:PATH" or None (no key configured).
-
-    With both named, the env var wins when it holds a key and the file is the fallback.
-    Raises UpstreamError(kind="no_api_key") naming the variable or path (never a value).
-    """
-    problems: list[str] = []
-    if spec.api_key_env:
-        value = os.environ.get(spec.api_key_env, "").strip()
-        if value:
-            register_secret(value)
-            return value, f"env:{spec.api_key_env}"
-        state = "is not set" if spec.api_key_env not in os.environ else "is blank"
-        problems.append(f"env var {spec.api_key_env} {state}")
-    if spec.api_key_file is not None:
-        path = spec.api_key_file
-        try:
-            value = path.read_text(encoding="utf-8").strip()
-        except FileNotFoundError:
-            problems.append(f"key file {path} does not exist")
-        except (OSError, UnicodeDecodeError) as exc:
-            problems.append(
-                f"key file {path} is unreadable ({getattr(exc, 'strerror', None) or type(exc).__name__})"
-            )
-        else:
-            if value:
-                register_secret(value)
-                return value, f"file:{path}"
-            problems.append(f"key file {path} is blank")
-    if problems:
-        raise UpstreamError(
-            "no_api_key", spec.name, "no API key", "; ".join(problems), retryable=False, role=role
-        )
-    return None, None
-
-
-def resolve_api_key(spec: EndpointSpec, role: str = "coordinator") -> str | None:
-    """The API key of `spec` (see `read_api_key`), or None when it names no key source."""
-    return read_api_key(spec, role)[0]
 
 
 class UpstreamClient:

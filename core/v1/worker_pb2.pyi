@@ -22,7 +22,7 @@ class BranchTask(_message.Message):
     def __init__(self, description: _Optional[str] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class RunWorkerEpisodeRequest(_message.Message):
-    __slots__ = ("episode_id", "question_id", "group_id", "chat", "branch", "budget", "sampling")
+    __slots__ = ("episode_id", "question_id", "group_id", "chat", "branch", "budget", "sampling", "gold_answer")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class RunWorkerEpisodeRequest(_message.Message):
     BRANCH_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GOLD_ANSWER_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     question_id: str
     group_id: str
@@ -37,7 +38,8 @@ class RunWorkerEpisodeRequest(_message.Message):
     branch: BranchTask
     budget: _common_pb2.BudgetOverrides
     sampling: _common_pb2.SamplingOverrides
-    def __init__(self, episode_id: _Optional[str] = ..., question_id: _Optional[str] = ..., group_id: _Optional[str] = ..., chat: _Optional[_Union[ChatTask, _Mapping]] = ..., branch: _Optional[_Union[BranchTask, _Mapping]] = ..., budget: _Optional[_Union[_common_pb2.BudgetOverrides, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOverrides, _Mapping]] = ...) -> None: ...
+    gold_answer: str
+    def __init__(self, episode_id: _Optional[str] = ..., question_id: _Optional[str] = ..., group_id: _Optional[str] = ..., chat: _Optional[_Union[ChatTask, _Mapping]] = ..., branch: _Optional[_Union[BranchTask, _Mapping]] = ..., budget: _Optional[_Union[_common_pb2.BudgetOverrides, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOverrides, _Mapping]] = ..., gold_answer: _Optional[str] = ...) -> None: ...
 
 class Turn(_message.Message):
     __slots__ = ("prompt_start", "gen_start", "gen_end", "generated_tokens", "weight_version", "finish_reason")
@@ -79,7 +81,7 @@ class ToolCallRecord(_message.Message):
     def __init__(self, turn: _Optional[int] = ..., name: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ..., docids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("token_ids", "loss_mask", "rollout_logprobs", "turns", "tool_calls", "stop_reason", "tokens_used", "turns_used", "error")
+    __slots__ = ("token_ids", "loss_mask", "rollout_logprobs", "turns", "tool_calls", "stop_reason", "tokens_used", "turns_used", "error", "events")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,7 @@ class Trajectory(_message.Message):
     TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
     TURNS_USED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
     rollout_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -98,7 +101,8 @@ class Trajectory(_message.Message):
     tokens_used: int
     turns_used: int
     error: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., tokens_used: _Optional[int] = ..., turns_used: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    events: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., rollout_logprobs: _Optional[_Iterable[float]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., tokens_used: _Optional[int] = ..., turns_used: _Optional[int] = ..., error: _Optional[str] = ..., events: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunWorkerEpisodeResponse(_message.Message):
     __slots__ = ("episode_id", "report", "trajectory", "usage")

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from core import budget
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
@@ -31,7 +33,7 @@ class TinyQwen3Shape:
     num_key_value_heads: int = 2
     head_dim: int = 16
     intermediate_size: int = 192
-    max_position_embeddings: int = 40960  # Qwen3-4B's; the worker's server context (DESIGN.md §3)
+    max_position_embeddings: int = budget.CONTEXT_LENGTH  # Qwen3-4B's; the worker's server context
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
 
@@ -87,7 +89,7 @@ def build_tiny_qwen3(
         pad_token_id=pad_id,
         # The worker's sampling defaults (DESIGN.md §3); callers wanting greedy pass do_sample=False.
         do_sample=True,
-        temperature=1.0,
-        top_p=0.95,
+        temperature=budget.TEMPERATURE,
+        top_p=budget.TOP_P,
     )
     return model.eval()

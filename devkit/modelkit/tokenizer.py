@@ -23,6 +23,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
+from core import budget
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +38,7 @@ CONTROL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_resp
 ADDED_TOKENS = SPECIAL_TOKENS + CONTROL_TOKENS
 
 DEFAULT_BPE_VOCAB_SIZE = 4096
-MODEL_MAX_LENGTH = 40960
+MODEL_MAX_LENGTH = budget.CONTEXT_LENGTH
 
 # Qwen2/Qwen3's pre-tokenizer pattern (transformers' Qwen2Tokenizer.PRETOKENIZE_REGEX).
 QWEN_PRETOKENIZE_REGEX = (

@@ -19,7 +19,9 @@ from typing import Any
 
 import httpx
 
-from core.kit.upstream import CircuitBreaker, EndpointSpec, UpstreamClient, UpstreamError, read_api_key
+from core.kit.apikeys import read_api_key
+from core.kit.breaker import CircuitBreaker
+from core.kit.upstream import EndpointSpec, UpstreamClient, UpstreamError
 
 log = logging.getLogger("bcstack.coordinator")
 

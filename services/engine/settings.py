@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
 
+from core import budget
 from core.kit.settings import ServiceSettings
 
 Policy = Literal["expert"]
@@ -33,7 +34,7 @@ class EngineSettings(ServiceSettings):
         None, gt=0, description="context window in tokens; unset = the model's max_position_embeddings"
     )
     max_context_length: int = Field(
-        40_960, gt=0, description="upper bound on the context window (Qwen3-4B's 40,960: the worker's)"
+        budget.CONTEXT_LENGTH, gt=0, description="largest context window (Qwen3-4B's: the worker's)"
     )
     max_running_requests: int = Field(16, ge=1, description="sequences decoded together in one step")
     max_queued_requests: int = Field(4096, ge=1, description="requests waiting for a slot; more get 503")

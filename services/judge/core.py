@@ -21,7 +21,9 @@ from aiolimiter import AsyncLimiter
 
 from core import grading as g
 from core.grading import EXACT_VERSION, RULE_VERSION  # noqa: F401 - re-exported for the service
-from core.kit.upstream import CircuitBreaker, UpstreamClient, UpstreamError, resolve_api_key
+from core.kit.apikeys import resolve_api_key
+from core.kit.breaker import CircuitBreaker
+from core.kit.upstream import UpstreamClient, UpstreamError
 from services.judge.cache import VerdictCache
 from services.judge.metrics import JudgeMetrics
 from services.judge.settings import JudgeSettings

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from core.kit.cli import fail, load_or_fail, settings_epilog
+from core.kit.cli import fail, load_or_fail, serve_command
 from services.retrieval.settings import RetrievalSettings
 
 
@@ -88,30 +88,11 @@ def index(
         console.print(f"[yellow]... and {len(report.duplicates) - 10} more duplicate docids skipped[/yellow]")
 
 
-def serve(
-    index_dir: Path = typer.Option(None, "--index-dir", help="Index built by `bcstack index`."),
-    host: str = typer.Option(None, "--host", help="Address to bind (default 127.0.0.1)."),
-    port: int = typer.Option(None, "--port", help="HTTP port (default 8001)."),
-    grpc_port: int = typer.Option(None, "--grpc-port", help="gRPC port (default 50051)."),
-    lexical: str = typer.Option(None, "--lexical", help="Override the index's lexical backend."),
-    dense: str = typer.Option(None, "--dense", help="Override the index's dense backend."),
-    config: Path = typer.Option(None, "--config", help="YAML settings file."),
-) -> None:
-    """Serve search and open_page over HTTP (FoldAgent-compatible /search, /open; /v1/search) and gRPC."""
+def _run(settings: RetrievalSettings) -> None:
     from core.kit.runner import run_service
     from services.retrieval.index import RetrievalIndexError
     from services.retrieval.service import build
 
-    settings = load_or_fail(
-        RetrievalSettings,
-        config,
-        index_dir=index_dir,
-        host=host,
-        port=port,
-        grpc_port=grpc_port,
-        lexical=lexical,
-        dense=dense,
-    )
     try:
         app, server, core = build(settings)
     except RetrievalIndexError as e:
@@ -122,7 +103,13 @@ def serve(
         core.close()
 
 
-serve.__doc__ = (serve.__doc__ or "") + "\n\n" + settings_epilog(RetrievalSettings)
+serve = serve_command(
+    RetrievalSettings,
+    _run,
+    help="Serve search and open_page over HTTP (FoldAgent-compatible /search, /open; /v1/search) and gRPC."
+    "\n\n--index-dir is the folder `bcstack index` wrote; the backends default to those it was built with.",
+    omit=("metrics_port",),
+)
 
 
 def search(

@@ -3,7 +3,7 @@
 One reload, in order (REFERENCE.md, SGLang's weight sync):
 
 1. resolve PATH inside `checkpoint_root` (symlinks resolved; anything outside is refused, 400);
-2. verify it as a serving-format export (`trainer.export.verify_checkpoint`) against the config of
+2. verify it as a serving-format export (`core.checkpoint.verify_checkpoint`) against the config of
    the model the engine serves now (its `model_path` from /get_model_info), 422 on the first problem;
 3. `pause_generation("in_place")`: in-flight /generate calls wait, keeping their KV caches, and no
    episode fails;
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from core.checkpoint import VerifyError, verify_checkpoint
 from services.worker.engine_client import EngineClient, EngineError
 
 log = logging.getLogger(__name__)
@@ -161,8 +162,6 @@ class ReloadManager:
         }
 
     async def _verify_checkpoint(self, path: Path, notes: list[str]) -> None:
-        from trainer.export import VerifyError, verify_checkpoint
-
         try:
             info = await self.engine.model_info()
             expect, why_not = served_config(info.get("model_path"))

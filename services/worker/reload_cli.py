@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from core.checkpoint import VerifyError, verify_checkpoint
 from core.kit.cli import fail
 from services.worker.rolling import (
     ReplicaDiscoveryError,
@@ -91,8 +92,6 @@ def reload(
     if not token:
         fail(f"{TOKEN_ENV} is not set; the workers' admin endpoints need the same bearer token")
     console = Console()
-
-    from trainer.export import VerifyError, verify_checkpoint  # torch + transformers: import late
 
     with console.status(f"Verifying {checkpoint}"):
         try:

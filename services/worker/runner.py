@@ -8,7 +8,9 @@ The loop, per assistant turn:
    ``return_logprob``), so the trajectory holds the exact ids the model produced and their
    rollout log-probs;
 3. parse the function calls (shared protocol parser) and run them: ``search`` and
-   ``open_page`` against the retrieval service, ``finish`` ends the episode;
+   ``open_page`` against the retrieval service, ``finish`` ends the episode (a finish before
+   any search is voided, or bounced once when it matches the gold answer: FoldAgent's
+   no-search guard);
 4. append the observation as the next user message. The chat template (Qwen3 keep-thinking)
    is append-only, so the tokens appended are exactly the template's text between the end of
    the assistant turn and the next generation prompt; a turn cut by ``max_new_tokens`` gets
@@ -22,17 +24,23 @@ is consulted between turns: it may add a message asking the model to answer now.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from core import protocol as p
-from core.budget import BudgetLimits, StopReason, TurnGrant, WorkerBudget
+from core.budget import TEMPERATURE, TOP_P, BudgetLimits, StopReason, TurnGrant, WorkerBudget
 from core.chat_template import render_chat
+from core.records import ToolCall, TurnSpan, WorkerTrajectory
 from services.worker.retrieval_client import RetrievalFailed, ToolInputRejected
 
 IM_END = "<|im_end|>"
+# Trajectory.events: the no-search guard voided an answer given before any search (no reward), or
+# bounced one that matched the gold answer (FoldAgent's must-search message).
+EVENT_FINISH_WITHOUT_SEARCH = "finish_without_search"
+EVENT_FINISH_WITHOUT_SEARCH_BOUNCED = "finish_without_search_bounced"
 
 
 class Tokenizer(Protocol):
@@ -45,7 +53,9 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class ProtocolSettings:
-    """How observations are rendered; the defaults are what a FoldAgent-trained worker expects."""
+    """How calls are read and observations rendered; the defaults are what a FoldAgent-trained
+    worker expects, with the deliberate departures of README "Worker protocol: fidelity settings"
+    (each one switch away from upstream's behaviour)."""
 
     search_k: int = 50  # results asked of the retrieval service (FoldAgent asks 50, shows topk)
     default_topk: int = p.DEFAULT_TOPK
@@ -55,12 +65,30 @@ class ProtocolSettings:
     page_words: int = p.PAGE_WORDS
     reflection_nudge: bool = True
     resubmit_empty_finish: bool = True
+    no_search_guard: bool = True  # upstream: a finish before any search is voided or bounced once
+    native_tool_calls: bool = True  # upstream: Qwen3 <tool_call> JSON and <answer> blocks accepted
+    # Departures (upstream: the opposite value).
+    strip_call_whitespace: bool = True
+    ignore_calls_in_reasoning: bool = True
+    unknown_function_replaces: bool = False
+    report_missing_page: bool = True
+    zero_topk_is_default: bool = True
+    native_string_is_one: bool = True
+
+    def parse(self, reply: str) -> list[p.FunctionCall]:
+        return p.parse_calls(
+            reply,
+            native=self.native_tool_calls,
+            strip_whitespace=self.strip_call_whitespace,
+            ignore_reasoning=self.ignore_calls_in_reasoning,
+            native_string_is_one=self.native_string_is_one,
+        )
 
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 1.0
-    top_p: float = 0.95
+    temperature: float = TEMPERATURE
+    top_p: float = TOP_P
     top_k: int | None = None
     seed: int | None = None
 
@@ -91,7 +119,7 @@ class ToolCallRecord:
     turn: int
     name: str
     params: dict[str, str]
-    outcome: str  # ok | error | unknown_tool | missing_parameter | not_found
+    outcome: str  # ok | error | unknown_tool | missing_parameter | not_found | no_search | voided
     error: str = ""
     docids: list[str] = field(default_factory=list)  # documents the call showed (search hits, opened pages)
 
@@ -105,6 +133,7 @@ class Trajectory:
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     stop_reason: str = ""
     error: str = ""
+    events: list[str] = field(default_factory=list)  # protocol guards that fired, in order (EVENT_*)
 
     def extend(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] = ()) -> None:
         self.token_ids.extend(ids)
@@ -133,6 +162,43 @@ class EpisodeResult:
     @property
     def tokens_used(self) -> int:
         return len(self.trajectory.token_ids)
+
+    def worker_trajectory(self) -> WorkerTrajectory:
+        """The episode as the typed record that leaves the worker (`core.records`), validated:
+        the runner's invariants (mask, log-probs, contiguous turns) are checked once more here."""
+        t = self.trajectory
+        return WorkerTrajectory(
+            token_ids=t.token_ids,
+            loss_mask=t.loss_mask,
+            rollout_logprobs=t.rollout_logprobs,
+            turns=[
+                TurnSpan(
+                    prompt_start=r.prompt_start,
+                    gen_start=r.gen_start,
+                    gen_end=r.gen_end,
+                    generated_tokens=r.generated_tokens,
+                    weight_version=r.weight_version,
+                    finish_reason=r.finish_reason,
+                )
+                for r in t.turns
+            ],
+            tool_calls=[ToolCall(**dataclasses.asdict(c)) for c in t.tool_calls],
+            stop_reason=self.status,
+            tokens_used=self.tokens_used,
+            turns_used=self.turns,
+            error=t.error,
+            events=t.events,
+        )
+
+
+@dataclass
+class _EpisodeState:
+    """What the tools remember across the turns of one episode."""
+
+    gold_answer: str | None
+    seen: set[str] = field(default_factory=set)  # docids shown in search results
+    searches: int = 0  # search calls made, failed ones too (upstream counts every one)
+    bounced: bool = False
 
 
 GateFn = Callable[[list[dict[str, str]], WorkerBudget], Awaitable[str | None] | str | None]
@@ -175,14 +241,16 @@ class EpisodeRunner:
         episode_id: str = "",
         limits: BudgetLimits | None = None,
         sampling: Sampling | None = None,
+        gold_answer: str | None = None,
     ) -> EpisodeResult:
+        """Run one episode; ``gold_answer`` (optional) lets the no-search guard bounce a right answer."""
         start = time.perf_counter()
         limits = limits or self.limits
         sampling = sampling or self.sampling
         convo = [dict(m) for m in messages]
         traj = Trajectory()
         budget = WorkerBudget(limits)
-        seen: set[str] = set()
+        state = _EpisodeState(gold_answer)
         finish: p.FinishAction | None = None
 
         prompt_text = render_chat(convo, add_generation_prompt=True)
@@ -201,15 +269,11 @@ class EpisodeRunner:
                 break
             budget.add_generation(record.generated_tokens, grant)
             convo.append({"role": "assistant", "content": reply})
-            parts, finish, stop = await self._act(reply, record, traj, seen)
+            turn_observation, finish, stop = await self._act(reply, record, traj, state)
             if stop is not None:
                 self._turn_done(record, turn_start)
                 break
-            # Upstream returns the resubmit message bare, without the reflection nudge.
-            resubmit = parts == [p.EMPTY_FINISH_RESUBMIT]
-            observation = p.finish_observation(
-                parts, reflection_nudge=self.protocol.reflection_nudge and not resubmit
-            )
+            observation = turn_observation.text()
             gate_message = await self._gate(convo, budget)
             if gate_message:
                 observation = f"{observation}\n\n{gate_message}" if observation else gate_message
@@ -307,29 +371,39 @@ class EpisodeRunner:
         return verdict or None
 
     async def _act(
-        self, reply: str, record: TurnRecord, traj: Trajectory, seen: set[str]
-    ) -> tuple[list[str], p.FinishAction | None, StopReason | None]:
-        """Run the turn's calls; (observation parts, the finish action if any, a stop reason)."""
+        self, reply: str, record: TurnRecord, traj: Trajectory, state: _EpisodeState
+    ) -> tuple[p.TurnObservation, p.FinishAction | None, StopReason | None]:
+        """Run the turn's calls; (the observation, the finish action if any, a stop reason)."""
         turn = len(traj.turns) - 1
-        calls = p.parse_calls(reply)
-        if not calls:
-            return [p.NO_CALL_ERROR], None, None
-        parts: list[str] = []
         ps = self.protocol
+        obs = p.TurnObservation(
+            reflection_nudge=ps.reflection_nudge, unknown_function_replaces=ps.unknown_function_replaces
+        )
+        calls = ps.parse(reply)
+        if not calls:
+            obs.stand_alone(p.NO_CALL_ERROR)
+            return obs, None, None
         for call in calls:
-            action = p.validate_call(call, p.WORKER_TOOLS, default_topk=ps.default_topk, max_topk=ps.max_topk)
+            action = p.validate_call(
+                call,
+                p.WORKER_TOOLS,
+                default_topk=ps.default_topk,
+                max_topk=ps.max_topk,
+                zero_topk_is_default=ps.zero_topk_is_default,
+            )
             rec = ToolCallRecord(turn, call.name, dict(call.params), "ok")
             traj.tool_calls.append(rec)
+            if call.name == "search":
+                state.searches += 1
             try:
                 if isinstance(action, p.CallError):
-                    rec.outcome = "unknown_tool" if call.name not in p.WORKER_TOOLS else "missing_parameter"
-                    rec.error = action.message
-                    parts.append(action.message)
+                    if call.name not in p.WORKER_TOOLS:
+                        rec.outcome, rec.error = "unknown_tool", obs.add_unsupported(call.name)
+                    else:
+                        rec.outcome, rec.error = "missing_parameter", action.message
+                        obs.add(action.message)
                 elif isinstance(action, p.FinishAction):
-                    if not action.answer.strip() and ps.resubmit_empty_finish:
-                        rec.outcome, rec.error = "error", "empty answer"
-                        return [p.EMPTY_FINISH_RESUBMIT], None, None
-                    return parts, action, StopReason.FINISH
+                    return self._finish(action, rec, traj, state, obs)
                 elif isinstance(action, p.SearchAction):
                     t0 = time.perf_counter()
                     pages = await self.retrieval.search(
@@ -339,33 +413,69 @@ class EpisodeRunner:
                     shown = p.render_search_results(
                         action.query,
                         pages,
-                        seen,
+                        state.seen,
                         action.topk,
                         snippet_words=ps.snippet_words,
                         seen_snippet_words=ps.seen_snippet_words,
                     )
-                    parts.append(shown)
+                    obs.add(shown)
                     # what the model saw, for evaluation run files (BrowseComp-Plus retrieved_docids)
                     rec.docids = [hit.docid for hit in p.parse_observation(shown).hits]
                 elif isinstance(action, p.OpenPageAction):
                     t0 = time.perf_counter()
                     pages = await self.retrieval.open(action.docid, action.url)
                     record.retrieval_s += time.perf_counter() - t0
-                    if pages:
-                        parts.append(p.render_open_page(pages, page_words=ps.page_words))
-                        rec.docids = [page.docid for page in pages]
-                    else:
-                        rec.outcome = "not_found"
-                        rec.error = p.page_not_found_error(action.docid, action.url)
-                        parts.append(rec.error)
+                    block = p.render_open_result(
+                        pages,
+                        action.docid,
+                        action.url,
+                        page_words=ps.page_words,
+                        report_missing=ps.report_missing_page,
+                    )
+                    obs.add(block)
+                    rec.docids = [page.docid for page in pages]
+                    if not pages:
+                        rec.outcome, rec.error = "not_found", block if ps.report_missing_page else ""
             except ToolInputRejected as e:
                 rec.outcome, rec.error = "error", f"[Error] {e}"
-                parts.append(rec.error)
+                obs.add(rec.error)
             except RetrievalFailed as e:
                 rec.outcome, rec.error = "error", str(e)
                 traj.error = str(e)
-                return parts, None, StopReason.ERROR
+                return obs, None, StopReason.ERROR
             finally:
                 if self.on_tool_call:
                     self.on_tool_call(rec)
-        return parts, None, None
+        return obs, None, None
+
+    def _finish(
+        self,
+        action: p.FinishAction,
+        rec: ToolCallRecord,
+        traj: Trajectory,
+        state: _EpisodeState,
+        obs: p.TurnObservation,
+    ) -> tuple[p.TurnObservation, p.FinishAction | None, StopReason | None]:
+        """A finish ends the episode unless it is bounced (an empty answer; a right answer given
+        before any search, once); given before any search, its answer is voided (no reward)."""
+        ps = self.protocol
+        if not action.answer.strip() and ps.resubmit_empty_finish:
+            rec.outcome, rec.error = "error", p.EMPTY_FINISH_RESUBMIT
+            obs.stand_alone(p.EMPTY_FINISH_RESUBMIT)
+            return obs, None, None
+        if not ps.no_search_guard:
+            return obs, action, StopReason.FINISH
+        verdict = p.no_search_verdict(
+            action.answer, state.gold_answer, searched=state.searches > 0, may_bounce=not state.bounced
+        )
+        if verdict == "bounce":
+            state.bounced = True
+            traj.events.append(EVENT_FINISH_WITHOUT_SEARCH_BOUNCED)
+            rec.outcome, rec.error = "no_search", p.NO_SEARCH_BOUNCE
+            obs.stand_alone(p.NO_SEARCH_BOUNCE)
+            return obs, None, None
+        if verdict == "void":
+            traj.events.append(EVENT_FINISH_WITHOUT_SEARCH)
+            rec.outcome = "voided"
+            action = replace(action, answer="")
+        return obs, action, StopReason.FINISH

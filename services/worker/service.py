@@ -14,14 +14,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import grpc
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, Field
 
 from core import protocol as p
@@ -30,21 +29,20 @@ from core.kit.auth import require_admin
 from core.kit.grpc_server import GrpcServer
 from core.kit.http import create_app
 from core.kit.metrics import new_registry
+from core.records import trajectory_to_proto
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.worker.metrics import WorkerMetrics
 from services.worker.prompts import WORKER_SYSTEM_PROMPT
-from services.worker.reload import OUTCOMES, Outcome, ReloadManager, ReloadRefused
+from services.worker.reload import ReloadManager, ReloadRefused
 from services.worker.runner import (
     EpisodeResult,
     EpisodeRunner,
     ProtocolSettings,
     Sampling,
-    ToolCallRecord,
-    TurnRecord,
 )
 from services.worker.settings import WorkerSettings
 
 SERVICE = "worker"
-STOP_REASONS = ("finish", "budget", "turns", "context", "error")
 _STOP_PB = {
     "finish": common_pb2.STOP_REASON_FINISH,
     "budget": common_pb2.STOP_REASON_BUDGET,
@@ -52,151 +50,6 @@ _STOP_PB = {
     "context": common_pb2.STOP_REASON_CONTEXT,
     "error": common_pb2.STOP_REASON_ERROR,
 }
-# Buckets that resolve the seed-001 limits exactly: 24,576 tokens, 40 turns, 4,096 per turn.
-EPISODE_TOKEN_BUCKETS = (
-    512, 1024, 2048, 4096, 8192, 12288, 16384, 20480, 22528, 24064, 24575, 24576, 28672, 32768, 40960,
-)  # fmt: skip
-EPISODE_TURN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 35, 39, 40, 50)
-TURN_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4095, 4096, 8192)
-RELOAD_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
-SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
-
-
-class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry, settings: WorkerSettings) -> None:
-        self.episode_tokens = Histogram(
-            "bcstack_worker_episode_tokens",
-            "Tokens per worker episode (prompt + generations + observations).",
-            buckets=EPISODE_TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.episode_turns = Histogram(
-            "bcstack_worker_episode_turns",
-            "Assistant turns per worker episode.",
-            buckets=EPISODE_TURN_BUCKETS,
-            registry=registry,
-        )
-        self.turn_tokens = Histogram(
-            "bcstack_worker_turn_generated_tokens",
-            "Generated tokens per assistant turn.",
-            buckets=TURN_TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.episodes = Counter(
-            "bcstack_worker_episodes_total",
-            "Finished worker episodes by stop reason.",
-            ["stop_reason"],
-            registry=registry,
-        )
-        for reason in STOP_REASONS:
-            self.episodes.labels(reason)
-        self.tool_calls = Counter(
-            "bcstack_worker_tool_calls_total",
-            "Tool calls by tool and outcome.",
-            ["tool", "outcome"],
-            registry=registry,
-        )
-        self.episode_seconds = Histogram(
-            "bcstack_worker_episode_duration_seconds",
-            "Wall time of a worker episode.",
-            buckets=SECONDS_BUCKETS,
-            registry=registry,
-        )
-        self.turn_overhead = Histogram(
-            "bcstack_worker_turn_overhead_seconds",
-            "The worker's own time per turn: the turn minus engine and retrieval waits.",
-            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0),
-            registry=registry,
-        )
-        self.engine_seconds = Histogram(
-            "bcstack_worker_engine_request_duration_seconds",
-            "Time of one /generate call.",
-            buckets=SECONDS_BUCKETS,
-            registry=registry,
-        )
-        self.engine_errors = Counter(
-            "bcstack_worker_engine_errors_total",
-            "Episodes ended by an engine or retrieval failure, by kind.",
-            ["kind"],
-            registry=registry,
-        )
-        self.active = Gauge("bcstack_worker_active_episodes", "Episodes running now.", registry=registry)
-        self.rejected = Counter(
-            "bcstack_worker_rejected_total",
-            "Requests refused, by reason (full, invalid).",
-            ["reason"],
-            registry=registry,
-        )
-        limits = Gauge("bcstack_worker_limit", "Configured per-episode limits.", ["limit"], registry=registry)
-        limits.labels("max_tokens").set(settings.max_tokens)
-        limits.labels("max_turns").set(settings.max_turns)
-        limits.labels("max_new_tokens_per_turn").set(settings.max_new_tokens_per_turn)
-        limits.labels("context_length").set(settings.context_length)
-        limits.labels("max_concurrent_episodes").set(settings.max_concurrent_episodes)
-        self.reloads = Counter(
-            "bcstack_worker_reloads_total",
-            "POST /admin/reload attempts by outcome (ok, rejected: refused before pausing, failed).",
-            ["outcome"],
-            registry=registry,
-        )
-        for outcome in OUTCOMES:
-            self.reloads.labels(outcome)
-        self.reload_seconds = Histogram(
-            "bcstack_worker_reload_duration_seconds",
-            "Wall time of a reload attempt (verification included).",
-            buckets=RELOAD_SECONDS_BUCKETS,
-            registry=registry,
-        )
-        self.reload_paused = Histogram(
-            "bcstack_worker_reload_paused_seconds",
-            "Time generation was paused by a reload (pause to continue).",
-            buckets=RELOAD_SECONDS_BUCKETS,
-            registry=registry,
-        )
-        self.weight_version_info = Gauge(
-            "bcstack_worker_weight_version_info",
-            "1 for the weight version the engine serves (as last seen), no other series.",
-            ["weight_version"],
-            registry=registry,
-        )
-        self._weight_version: str | None = None
-
-    def reload(self, outcome: Outcome, seconds: float, paused_seconds: float | None) -> None:
-        self.reloads.labels(outcome).inc()
-        self.reload_seconds.observe(seconds)
-        if paused_seconds is not None:
-            self.reload_paused.observe(paused_seconds)
-
-    def weight_version(self, version: str | None) -> None:
-        if version == self._weight_version:
-            return
-        if self._weight_version is not None:
-            self.weight_version_info.remove(self._weight_version)
-        if version is not None:
-            self.weight_version_info.labels(version).set(1)
-        self._weight_version = version
-
-    def turn(self, record: TurnRecord) -> None:
-        if self._weight_version is None and record.weight_version:
-            # Until a reload or GET /admin/reload asks the engine, the first turn tells. Later turns
-            # do not: a turn answered just before a swap may arrive after it.
-            self.weight_version(record.weight_version)
-        self.turn_tokens.observe(record.generated_tokens)
-        self.engine_seconds.observe(record.engine_s)
-        self.turn_overhead.observe(record.overhead_s)
-
-    def tool_call(self, record: ToolCallRecord) -> None:
-        tool = record.name if record.name in p.WORKER_TOOLS else "unknown"
-        self.tool_calls.labels(tool, record.outcome).inc()
-
-    def episode(self, result: EpisodeResult) -> None:
-        self.episodes.labels(result.status).inc()
-        self.episode_tokens.observe(result.tokens_used)
-        self.episode_turns.observe(result.turns)
-        self.episode_seconds.observe(result.seconds)
-        if result.status == "error":
-            kind = "engine" if result.trajectory.error.startswith("engine") else "retrieval"
-            self.engine_errors.labels(kind).inc()
 
 
 class InvalidTask(ValueError):
@@ -210,6 +63,7 @@ class Prepared:
     messages: list[dict[str, str]]
     limits: BudgetLimits
     sampling: Sampling
+    gold_answer: str | None = None  # for the no-search guard only; never shown to the model
 
 
 class WorkerCore:
@@ -287,6 +141,7 @@ class WorkerCore:
                 messages=self.messages_of(request),
                 limits=self.limits_of(request),
                 sampling=self.sampling_of(request),
+                gold_answer=request.gold_answer if request.HasField("gold_answer") else None,
             )
         except InvalidTask:
             self.metrics.rejected.labels("invalid").inc()
@@ -311,6 +166,7 @@ class WorkerCore:
                 episode_id=prepared.episode_id,
                 limits=prepared.limits,
                 sampling=prepared.sampling,
+                gold_answer=prepared.gold_answer,
             )
         finally:
             self.active -= 1
@@ -343,37 +199,7 @@ def response_of(result: EpisodeResult, description: str) -> worker_pb2.RunWorker
             raw_text=report_text,
             episode_id=result.episode_id,
         ),
-        trajectory=worker_pb2.Trajectory(
-            token_ids=t.token_ids,
-            loss_mask=t.loss_mask,
-            rollout_logprobs=t.rollout_logprobs,
-            turns=[
-                worker_pb2.Turn(
-                    prompt_start=r.prompt_start,
-                    gen_start=r.gen_start,
-                    gen_end=r.gen_end,
-                    generated_tokens=r.generated_tokens,
-                    weight_version=r.weight_version,
-                    finish_reason=r.finish_reason,
-                )
-                for r in t.turns
-            ],
-            tool_calls=[
-                worker_pb2.ToolCallRecord(
-                    turn=c.turn,
-                    name=c.name,
-                    params=c.params,
-                    outcome=c.outcome,
-                    error=c.error,
-                    docids=c.docids,
-                )
-                for c in t.tool_calls
-            ],
-            stop_reason=_STOP_PB[result.status],
-            tokens_used=result.tokens_used,
-            turns_used=result.turns,
-            error=t.error,
-        ),
+        trajectory=trajectory_to_proto(result.worker_trajectory(), worker_pb2.Trajectory),
         usage=common_pb2.Usage(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
@@ -466,6 +292,11 @@ def add_reload_routes(app: FastAPI, manager: ReloadManager) -> None:
     app.state.reload_manager = manager
 
 
+def protocol_settings(settings: WorkerSettings) -> ProtocolSettings:
+    """The runner's protocol settings; each is the worker setting of the same name."""
+    return ProtocolSettings(**{f.name: getattr(settings, f.name) for f in fields(ProtocolSettings)})
+
+
 def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
     """The runner, its clients and both transports on one registry (what `bcstack serve worker` runs)."""
     from transformers import AutoTokenizer
@@ -499,14 +330,7 @@ def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
             settings.max_tokens, settings.max_turns, settings.max_new_tokens_per_turn, settings.context_length
         ),
         sampling=Sampling(settings.temperature, settings.top_p, settings.top_k),
-        protocol=ProtocolSettings(
-            search_k=settings.search_k,
-            snippet_words=settings.snippet_words,
-            seen_snippet_words=settings.seen_snippet_words,
-            page_words=settings.page_words,
-            reflection_nudge=settings.reflection_nudge,
-            resubmit_empty_finish=settings.resubmit_empty_finish,
-        ),
+        protocol=protocol_settings(settings),
         on_turn=metrics.turn,
         on_tool_call=metrics.tool_call,
     )

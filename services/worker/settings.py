@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
+from core import budget
 from core.kit.settings import ServiceSettings
 
 
@@ -19,16 +20,17 @@ class WorkerSettings(ServiceSettings):
     retrieval_address: str = Field("127.0.0.1:50051", description="retrieval service gRPC address host:port")
     tokenizer: Path | None = Field(None, description="checkpoint or tokenizer dir; renders the chat template")
 
-    # Seed 001: worker episode budget 24,576 tokens, up to 40 turns, max 4,096 generated tokens per
-    # turn, temperature 1, top-p .95, SGLang context 40,960.
+    # Seed 001's budget and sampling (core/budget.py).
     max_tokens: int = Field(
-        24_576, gt=0, description="episode token budget (prompt + generations + observations)"
+        budget.MAX_TOKENS, gt=0, description="episode token budget (prompt + generations + observations)"
     )
-    max_turns: int = Field(40, gt=0, description="assistant turns per episode")
-    max_new_tokens_per_turn: int = Field(4_096, gt=0, description="generated tokens per turn at most")
-    context_length: int = Field(40_960, gt=0, description="the engine's context window")
-    temperature: float = Field(1.0, ge=0, description="sampling temperature")
-    top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling")
+    max_turns: int = Field(budget.MAX_TURNS, gt=0, description="assistant turns per episode")
+    max_new_tokens_per_turn: int = Field(
+        budget.MAX_NEW_TOKENS_PER_TURN, gt=0, description="generated tokens per turn at most"
+    )
+    context_length: int = Field(budget.CONTEXT_LENGTH, gt=0, description="the engine's context window")
+    temperature: float = Field(budget.TEMPERATURE, ge=0, description="sampling temperature")
+    top_p: float = Field(budget.TOP_P, gt=0, le=1, description="nucleus sampling")
     top_k: int | None = Field(None, gt=0, description="top-k sampling; unset = off")
 
     max_concurrent_episodes: int = Field(
@@ -51,6 +53,41 @@ class WorkerSettings(ServiceSettings):
         True, description="append the slime port's reflection nudge to observations"
     )
     resubmit_empty_finish: bool = Field(True, description="bounce a finish with an empty answer")
+    default_topk: int = Field(
+        10, ge=1, le=100, description="hits a search without a topk shows (FoldAgent: 10)"
+    )
+    max_topk: int = Field(
+        10, ge=1, le=100, description="hits a search may show at most (slime port: 10; FoldAgent: no cap)"
+    )
+    # Fidelity with FoldAgent's environment: README "Worker protocol: fidelity settings" says what
+    # each does upstream and why ours differs where it does.
+    no_search_guard: bool = Field(
+        True,
+        description="void an answer given before any search; bounce it once when it matches the gold answer",
+    )
+    native_tool_calls: bool = Field(
+        True, description="also read Qwen3 <tool_call> JSON and <answer> blocks (FoldAgent's fallback)"
+    )
+    strip_call_whitespace: bool = Field(
+        True, description="strip white space around call names and parameter values (FoldAgent keeps it)"
+    )
+    ignore_calls_in_reasoning: bool = Field(
+        True, description="ignore calls written inside <think> (FoldAgent runs them)"
+    )
+    unknown_function_replaces: bool = Field(
+        False, description="an unknown function's error replaces the turn's other results (FoldAgent: yes)"
+    )
+    report_missing_page: bool = Field(
+        True, description="an open_page that finds nothing says so (FoldAgent: an empty block)"
+    )
+    zero_topk_is_default: bool = Field(
+        True, description="topk 0 shows the default number of hits (FoldAgent: one hit)"
+    )
+    native_string_is_one: bool = Field(
+        True,
+        description="a native search/visit with one string instead of a list is one call (FoldAgent: one per "
+        "character)",
+    )
     system_prompt_file: Path | None = Field(
         None, description="system prompt for branch tasks; unset = built in"
     )

@@ -1,7 +1,7 @@
 """Watch a folder of exports and hot-reload the newest complete one (DESIGN.md §5 and §8).
 
-An export writes SHA256SUMS last (trainer/export.py), so a sub-folder counts as complete only when
-SHA256SUMS is there and no other file in it is newer; a complete one must also pass
+An export writes SHA256SUMS last (the serving format, core/checkpoint.py), so a sub-folder counts as
+complete only when SHA256SUMS is there and no other file in it is newer; a complete one must also pass
 `verify_checkpoint` before `reload(path, version)` is called, with the folder name as the version.
 Hidden folders (an export's `.NAME.partial-PID` staging folder) are never looked at.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.export import SUMS_FILE, verify_checkpoint
+from core.checkpoint import SUMS_FILE, verify_checkpoint
 
 log = logging.getLogger(__name__)
 

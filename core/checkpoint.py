@@ -1,0 +1,649 @@
+"""The serving-format checkpoint and its check (DESIGN.md §5, seed 000); no torch, no transformers.
+
+The serving format is what the engine loads and what gets published (trainer/export.py writes it):
+
+- BF16 safetensors (`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards with
+  `model.safetensors.index.json`), `config.json` with `vocab_size` and `dtype` set to match,
+  `generation_config.json` when one exists;
+- embedding rows equal to the vocabulary the export chose (recorded in `bcstack_export.json`);
+- exactly the tensors a model of that config has, each with its shape and dtype (398 for Qwen3-4B
+  with tied embeddings: 36 layers x 11 + embedding + final norm; a tied `lm_head.weight` is not
+  stored);
+- the tokenizer files and chat template of the pinned tokenizer folder;
+- `SHA256SUMS` (`sha256sum -c` format), written last, covering every file above.
+
+Why the expected layout is computed by hand from config.json instead of building the model on
+torch's meta device: the check runs in the CPU worker sidecar (before every hot reload, and in the
+checkpoint watcher), which needs only hashes, safetensors headers and the tokenizer's size, and
+must not pull in torch and transformers for that (pyproject.toml's import-linter contracts). The
+price is that the layout knows a fixed set of architectures (`ARCHITECTURES`: the Qwen3 family, and
+Qwen2 and Llama, which differ only in biases and q/k norms). It is kept honest by
+tests/test_checkpoint_format.py, which compares it with transformers' meta-device model, names,
+order and shapes, for the tiny kit, Qwen3-4B and each architecture's defaults.
+
+Headers are read with `safetensors.safe_open(framework="numpy")`, which validates the header
+against the file and never imports torch; the tokenizer's size comes from the `tokenizers` package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+SUMS_FILE = "SHA256SUMS"
+CONFIG_FILE = "config.json"
+# What the export kept and why, listed in SHA256SUMS: verify reads the intended row count from it.
+EXPORT_FILE = "bcstack_export.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_SHARD_PATTERN = "model{suffix}.safetensors"  # huggingface_hub's -0000i-of-0000n suffix
+# Copied from the tokenizer folder when present; the first two are required.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+REQUIRED_TOKENIZER_FILES = TOKENIZER_FILES[:2]
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+# Files an engine could load weights from; one not covered by SHA256SUMS fails verification.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
+# What must agree with the served model's config for the engine to load this checkpoint.
+COMPATIBLE_FIELDS = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+# Bytes per element of the safetensors dtypes a checkpoint may hold (header strings, as
+# safe_open's get_dtype reports them).
+DTYPE_BYTES = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+_SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
+
+TensorSpec = tuple[tuple[int, ...], str]  # (shape, safetensors dtype)
+
+
+class VerifyError(ValueError):
+    """A checkpoint is not in the serving format; the message is the first problem, on one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))  # library errors quoted inside may span lines
+
+
+# ----------------------------------------------------------------------------------------------
+# The model config, from config.json alone
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What one model_type's tensors depend on beyond the sizes they all share.
+
+    `defaults` are transformers' config defaults for the fields the layout reads, taken by a field
+    missing from config.json; None (the default, or an explicit null) is derived as transformers
+    derives it: num_key_value_heads = num_attention_heads, head_dim = hidden_size //
+    num_attention_heads. A bias is either always there (True), never (False), or switched by the
+    config field named.
+    """
+
+    causal_lm: str  # the transformers class, named in the summary when config.json names none
+    defaults: Mapping[str, Any]
+    qkv_bias: bool | str
+    o_bias: bool | str
+    mlp_bias: bool | str
+    qk_norm: bool  # RMSNorm over head_dim on the queries and keys (Qwen3)
+
+
+# transformers 5's defaults (Qwen3Config, Qwen2Config, LlamaConfig); Qwen2Config has no head_dim.
+_QWEN_DEFAULTS = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "intermediate_size": 22016,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen3": Architecture(
+        "Qwen3ForCausalLM",
+        {**_QWEN_DEFAULTS, "head_dim": 128, "attention_bias": False},
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=True,
+    ),
+    "qwen2": Architecture(
+        "Qwen2ForCausalLM",
+        {**_QWEN_DEFAULTS, "head_dim": None},
+        qkv_bias=True,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+    ),
+    "llama": Architecture(
+        "LlamaForCausalLM",
+        {
+            **_QWEN_DEFAULTS,
+            "num_key_value_heads": None,
+            "head_dim": None,
+            "intermediate_size": 11008,
+            "vocab_size": 32000,
+            "attention_bias": False,
+            "mlp_bias": False,
+        },
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias="mlp_bias",
+        qk_norm=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of a config.json that fix the tensor layout, defaults filled in.
+
+    An omitted default and an explicit one give equal ModelConfigs, so COMPATIBLE_FIELDS compare
+    what the engine would build, not how the file spells it.
+    """
+
+    model_type: str
+    architectures: list[str] | None
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @property
+    def architecture(self) -> str:
+        return ",".join(self.architectures or [ARCHITECTURES[self.model_type].causal_lm])
+
+
+def read_model_config(fields: Mapping[str, Any], where: str = CONFIG_FILE) -> ModelConfig:
+    """config.json's contents as a ModelConfig; VerifyError (naming `where`) when it is not one."""
+    if not isinstance(fields, Mapping):
+        raise VerifyError(f"{where}: unreadable (not a JSON object)")
+    model_type = fields.get("model_type")
+    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        raise VerifyError(
+            f"{where}: model_type {model_type!r} is not an architecture this check knows "
+            f"({', '.join(sorted(ARCHITECTURES))})"
+        )
+
+    def value(name: str) -> Any:
+        return fields[name] if name in fields else arch.defaults.get(name)
+
+    def size(name: str, given: Any) -> int:
+        if isinstance(given, bool) or not isinstance(given, int) or given <= 0:
+            raise VerifyError(f"{where}: unreadable ({name} must be a positive integer, got {given!r})")
+        return given
+
+    def flag(switch: bool | str) -> bool:
+        if isinstance(switch, bool):
+            return switch
+        given = value(switch)
+        if not isinstance(given, bool):
+            raise VerifyError(f"{where}: unreadable ({switch} must be true or false, got {given!r})")
+        return given
+
+    sizes = {
+        name: size(name, value(name))
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    }
+    heads = sizes["num_attention_heads"]
+    kv_heads = value("num_key_value_heads")
+    head_dim = value("head_dim")
+    if head_dim is None and sizes["hidden_size"] % heads:
+        raise VerifyError(
+            f"{where}: unreadable (hidden_size ({sizes['hidden_size']}) is not a multiple of "
+            f"num_attention_heads ({heads}))"
+        )
+    architectures = fields.get("architectures")
+    if architectures is not None and (
+        not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures)
+    ):
+        raise VerifyError(f"{where}: unreadable (architectures must be a list of names)")
+    layer_types = fields.get("layer_types")
+    if layer_types is not None and (
+        not isinstance(layer_types, list) or len(layer_types) != sizes["num_hidden_layers"]
+    ):
+        count = len(layer_types) if isinstance(layer_types, list) else layer_types
+        raise VerifyError(
+            f"{where}: unreadable (num_hidden_layers ({sizes['num_hidden_layers']}) must equal the "
+            f"number of layer_types ({count}))"
+        )
+    return ModelConfig(
+        model_type=model_type,
+        architectures=architectures,
+        **sizes,
+        num_key_value_heads=size("num_key_value_heads", heads if kv_heads is None else kv_heads),
+        head_dim=size("head_dim", sizes["hidden_size"] // heads if head_dim is None else head_dim),
+        vocab_size=size("vocab_size", value("vocab_size")),
+        tie_word_embeddings=flag("tie_word_embeddings"),
+        qkv_bias=flag(arch.qkv_bias),
+        o_bias=flag(arch.o_bias),
+        mlp_bias=flag(arch.mlp_bias),
+        qk_norm=arch.qk_norm,
+    )
+
+
+def _read_json(path: Path, where: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise VerifyError(f"{where}: unreadable ({error})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The expected layout
+
+
+def _as_model_config(config: ModelConfig | Mapping[str, Any]) -> ModelConfig:
+    return config if isinstance(config, ModelConfig) else read_model_config(config)
+
+
+def expected_tensors(
+    config: ModelConfig | Mapping[str, Any], vocab_size: int | None = None, dtype: str = "BF16"
+) -> dict[str, TensorSpec]:
+    """Every tensor a serving checkpoint of `config` holds, name -> (shape, dtype), in the order
+    transformers' named_parameters() lists them (the order the export writes).
+
+    `config` is config.json's contents (or a ModelConfig); `vocab_size` overrides its embedding row
+    count (the tokenizer's vocabulary); `dtype` is a safetensors dtype name. Tied output
+    embeddings are not listed (Qwen3-4B: 398 tensors; untied: 399). An architecture not in
+    ARCHITECTURES is a VerifyError.
+    """
+    config = _as_model_config(config)
+    rows = config.vocab_size if vocab_size is None else vocab_size
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_size, kv_size = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer: list[tuple[str, tuple[int, ...]]] = []
+
+    def linear(name: str, out_features: int, in_features: int, bias: bool) -> None:
+        layer.append((f"{name}.weight", (out_features, in_features)))
+        if bias:
+            layer.append((f"{name}.bias", (out_features,)))
+
+    # One decoder layer, in module registration order: attention, MLP, then the two norms.
+    linear("self_attn.q_proj", q_size, hidden, config.qkv_bias)
+    linear("self_attn.k_proj", kv_size, hidden, config.qkv_bias)
+    linear("self_attn.v_proj", kv_size, hidden, config.qkv_bias)
+    linear("self_attn.o_proj", hidden, q_size, config.o_bias)
+    if config.qk_norm:
+        layer += [("self_attn.q_norm.weight", (head_dim,)), ("self_attn.k_norm.weight", (head_dim,))]
+    linear("mlp.gate_proj", config.intermediate_size, hidden, config.mlp_bias)
+    linear("mlp.up_proj", config.intermediate_size, hidden, config.mlp_bias)
+    linear("mlp.down_proj", hidden, config.intermediate_size, config.mlp_bias)
+    layer += [("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,))]
+
+    expected = {"model.embed_tokens.weight": ((rows, hidden), dtype)}
+    for index in range(config.num_hidden_layers):
+        expected.update({f"model.layers.{index}.{name}": (shape, dtype) for name, shape in layer})
+    expected["model.norm.weight"] = ((hidden,), dtype)
+    if not config.tie_word_embeddings:
+        expected["lm_head.weight"] = ((rows, hidden), dtype)
+    return expected
+
+
+def vocabulary_tensors(config: ModelConfig | Mapping[str, Any]) -> list[str]:
+    """The vocabulary-indexed tensors: the embedding, and the output layer unless tied to it."""
+    config = _as_model_config(config)
+    return ["model.embed_tokens.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+
+
+def layout_problem(
+    actual: Mapping[str, TensorSpec], expected: Mapping[str, TensorSpec], where: Mapping[str, str]
+) -> str | None:
+    """The first difference between two layouts, as a one-line message; None when equal."""
+    for name, (shape, dtype) in expected.items():
+        if name not in actual:
+            return f"missing tensor {name} (expected shape {list(shape)})"
+        got_shape, got_dtype = actual[name]
+        if tuple(got_shape) != tuple(shape):
+            return (
+                f"{where.get(name, '?')}: tensor {name} has shape {list(got_shape)}, expected {list(shape)}"
+            )
+        if got_dtype != dtype:
+            return f"{where.get(name, '?')}: tensor {name} is {got_dtype}, expected {dtype}"
+    for name in actual:
+        if name not in expected:
+            return f"{where.get(name, '?')}: unexpected tensor {name} (not part of {len(expected)} expected)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Files and hashes
+
+
+def sha256_file(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _is_hidden(relative: Path) -> bool:
+    # Hub downloads keep `.cache/` and `.gitattributes` beside the files; they are not the model.
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """Every regular file under `folder` except SHA256SUMS and hidden ones, as sorted POSIX paths."""
+    found = []
+    for path in folder.rglob("*"):
+        relative = path.relative_to(folder)
+        if path.is_file() and relative.as_posix() != SUMS_FILE and not _is_hidden(relative):
+            found.append(relative.as_posix())
+    return sorted(found)
+
+
+def write_sha256sums(folder: Path) -> Path:
+    """Write `folder/SHA256SUMS` over every other file, atomically (temp file, fsync, rename)."""
+    lines = "".join(f"{sha256_file(folder / name)}  {name}\n" for name in checkpoint_files(folder))
+    target = folder / SUMS_FILE
+    temporary = folder / f".{SUMS_FILE}.tmp"
+    with temporary.open("w", encoding="utf-8", newline="\n") as handle:
+        handle.write(lines)
+        handle.flush()
+        os.fsync(handle.fileno())
+    temporary.chmod(0o644)
+    os.replace(temporary, target)
+    return target
+
+
+def read_sha256sums(folder: Path) -> dict[str, str]:
+    """SHA256SUMS as {relative path: hex digest}; VerifyError when missing or malformed."""
+    path = folder / SUMS_FILE
+    if not path.is_file():
+        raise VerifyError(f"{SUMS_FILE}: missing in {folder}")
+    sums: dict[str, str] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        match = _SUMS_LINE.match(line)
+        relative = Path(match.group(2)) if match else None
+        if relative is None or relative.is_absolute() or ".." in relative.parts:
+            raise VerifyError(
+                f"{SUMS_FILE} line {number}: expected '<sha256>  <relative path>', got {line!r}"
+            )
+        sums[relative.as_posix()] = match.group(1)
+    return sums
+
+
+# ----------------------------------------------------------------------------------------------
+# The tokenizer
+
+
+@dataclass(frozen=True)
+class TokenizerSize:
+    tokens: int  # the vocabulary with added tokens (transformers' len(tokenizer))
+    rows: int  # embedding rows it needs: tokens, or the largest id + 1 if the ids have gaps
+
+
+def read_tokenizer_size(folder: Path) -> TokenizerSize:
+    """The size of `folder/tokenizer.json`; VerifyError when it does not load."""
+    try:
+        vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    except Exception as error:  # tokenizers raises plain Exception for a bad file
+        raise VerifyError(f"tokenizer: does not load ({error})") from None
+    return TokenizerSize(len(vocab), max(len(vocab), max(vocab.values(), default=-1) + 1))
+
+
+def chat_template_source(folder: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    """The file the chat template comes from, or None when there is none."""
+    for name in CHAT_TEMPLATE_FILES:
+        if (folder / name).is_file():
+            return name
+    if tokenizer_config.get("chat_template"):
+        return "tokenizer_config.json"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification
+
+
+def _check_hashes(folder: Path) -> tuple[dict[str, str], list[str]]:
+    sums = read_sha256sums(folder)
+    for name, digest in sums.items():
+        path = folder / name
+        if not path.is_file():
+            raise VerifyError(f"{name}: listed in {SUMS_FILE} but missing")
+        if sha256_file(path) != digest:
+            raise VerifyError(f"{name}: SHA256 mismatch (changed since {SUMS_FILE} was written)")
+    unlisted = [name for name in checkpoint_files(folder) if name not in sums]
+    for name in unlisted:
+        if name.endswith((*WEIGHT_SUFFIXES, ".index.json")):
+            raise VerifyError(f"{name}: weight file not listed in {SUMS_FILE}")
+    return sums, unlisted
+
+
+def _require_listed(name: str, folder: Path, sums: Mapping[str, str], what: str) -> Path:
+    path = folder / name
+    if not path.is_file():
+        raise VerifyError(f"{name}: missing ({what})")
+    if name not in sums:
+        raise VerifyError(f"{name}: not listed in {SUMS_FILE}")
+    return path
+
+
+def _weight_files(folder: Path, sums: Mapping[str, str]) -> tuple[list[str], dict[str, str] | None]:
+    """The weight files the engine will load, and the index's weight map when sharded."""
+    on_disk = [name for name in checkpoint_files(folder) if name.endswith(".safetensors")]
+    if (folder / WEIGHTS_INDEX_FILE).is_file():
+        index_path = _require_listed(WEIGHTS_INDEX_FILE, folder, sums, "weight index")
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise VerifyError(f"{WEIGHTS_INDEX_FILE}: unreadable ({error})") from None
+        shards = sorted(set(weight_map.values()))
+        for name in on_disk:
+            if name not in shards:
+                raise VerifyError(f"{name}: weight file not referenced by {WEIGHTS_INDEX_FILE}")
+        for name in shards:
+            _require_listed(name, folder, sums, f"shard named in {WEIGHTS_INDEX_FILE}")
+        return shards, weight_map
+    _require_listed(WEIGHTS_FILE, folder, sums, "weights")
+    for name in on_disk:
+        if name != WEIGHTS_FILE:
+            raise VerifyError(f"{name}: extra weight file beside {WEIGHTS_FILE} (no index)")
+    return [WEIGHTS_FILE], None
+
+
+def _read_layout(
+    folder: Path, files: list[str], weight_map: Mapping[str, str] | None
+) -> tuple[dict[str, TensorSpec], dict[str, str], int]:
+    """Tensor name -> (shape, dtype) from the safetensors headers, where each lives, payload bytes."""
+    layout: dict[str, TensorSpec] = {}
+    where: dict[str, str] = {}
+    payload = 0
+    for name in files:
+        try:
+            # safe_open checks the header against the file: offsets contiguous, payload length exact.
+            # framework="numpy" only names the type get_tensor would return; headers need no torch.
+            with safe_open(folder / name, framework="numpy") as handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    if key in layout:
+                        raise VerifyError(f"{name}: tensor {key} also stored in {where[key]}")
+                    if weight_map is not None and weight_map.get(key) != name:
+                        raise VerifyError(
+                            f"{name}: holds {key}, which {WEIGHTS_INDEX_FILE} maps to {weight_map.get(key)}"
+                        )
+                    tensor_slice = handle.get_slice(key)
+                    dtype = tensor_slice.get_dtype()
+                    shape = tuple(tensor_slice.get_shape())
+                    if dtype not in DTYPE_BYTES:
+                        raise VerifyError(f"{name}: tensor {key} has unsupported dtype {dtype}")
+                    layout[key] = (shape, dtype)
+                    where[key] = name
+                    payload += math.prod(shape) * DTYPE_BYTES[dtype]
+        except VerifyError:
+            raise
+        except Exception as error:  # safetensors raises its own error types for a bad header
+            raise VerifyError(f"{name}: not a readable safetensors file ({error})") from None
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if key not in layout:
+                raise VerifyError(f"{WEIGHTS_INDEX_FILE}: maps {key} to {name}, which does not hold it")
+    return layout, where, payload
+
+
+def _load_expect_config(path: Path) -> ModelConfig:
+    path = Path(path)
+    if path.is_dir():
+        path = path / CONFIG_FILE
+    if not path.is_file():
+        raise VerifyError(f"expect-config {path}: no such file")
+    where = f"expect-config {path}"
+    return read_model_config(_read_json(path, where), where)
+
+
+def verify_checkpoint(
+    path: Path,
+    *,
+    expect_config: Path | None = None,
+    vocab_size: int | None = None,
+    dtype: str = "BF16",
+) -> dict[str, Any]:
+    """Check that `path` is a complete, untouched serving-format checkpoint; return a summary.
+
+    In order: SHA256SUMS present and every listed file's hash (no unlisted weight file); config,
+    tokenizer files and chat template present and listed; weight files readable (with a
+    consistent index when sharded); embedding rows == config vocab_size == the expected row count
+    (`vocab_size`, else `expect_config`'s vocab_size, else the row count the export declared in
+    bcstack_export.json, else the tokenizer's size); every tensor's key, shape and dtype (`dtype`,
+    a safetensors name, BF16) as `expected_tensors(config)`; with `expect_config` (the served
+    model's config.json, or its folder) the architecture fields in COMPATIBLE_FIELDS equal.
+    Raises VerifyError with the first problem.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not a safetensors dtype ({', '.join(DTYPE_BYTES)})")
+    folder = Path(path)
+    if not folder.is_dir():
+        raise VerifyError(f"{folder}: not a folder")
+    sums, unlisted = _check_hashes(folder)
+
+    _require_listed(CONFIG_FILE, folder, sums, "model config")
+    config = read_model_config(_read_json(folder / CONFIG_FILE, CONFIG_FILE))
+
+    for name in REQUIRED_TOKENIZER_FILES:
+        _require_listed(name, folder, sums, "tokenizer file")
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            _require_listed(name, folder, sums, "tokenizer file")
+    tokenizer_config = _read_json(folder / "tokenizer_config.json", "tokenizer_config.json")
+    if not isinstance(tokenizer_config, Mapping):
+        raise VerifyError("tokenizer_config.json: unreadable (not a JSON object)")
+    chat_template = chat_template_source(folder, tokenizer_config)
+    if chat_template is None:
+        raise VerifyError(
+            "no chat template: tokenizer_config.json has no chat_template and there is no "
+            + " or ".join(CHAT_TEMPLATE_FILES)
+        )
+    tokenizer = read_tokenizer_size(folder)
+
+    files, weight_map = _weight_files(folder, sums)
+    actual, where, payload = _read_layout(folder, files, weight_map)
+
+    served = _load_expect_config(expect_config) if expect_config is not None else None
+    declared = None
+    if (folder / EXPORT_FILE).is_file():
+        _require_listed(EXPORT_FILE, folder, sums, "export manifest")
+        try:
+            declared = int(json.loads((folder / EXPORT_FILE).read_text(encoding="utf-8"))["vocab_rows"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise VerifyError(f"{EXPORT_FILE}: unreadable ({error})") from None
+    if config.vocab_size < tokenizer.rows:
+        # Said before any row count: the engine could not even build this model (the special
+        # token ids fall outside its embedding).
+        raise VerifyError(
+            f"vocabulary: config.json vocab_size {config.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.rows} tokens"
+        )
+    expected = expected_tensors(config, dtype=dtype)
+    for name in vocabulary_tensors(config):
+        if name not in actual:
+            raise VerifyError(f"missing tensor {name} (the vocabulary embedding)")
+        rows = actual[name][0][0]
+        if rows != config.vocab_size:
+            raise VerifyError(
+                f"{where[name]}: {name} has {rows} rows but config.json vocab_size is {config.vocab_size}"
+            )
+        if vocab_size is not None and rows != vocab_size:
+            raise VerifyError(f"vocabulary: {name} has {rows} rows, {vocab_size} were requested")
+        if vocab_size is None and served is not None and rows != served.vocab_size:
+            raise VerifyError(
+                f"vocabulary: {name} has {rows} rows, "
+                f"the served model's config has vocab_size {served.vocab_size}"
+            )
+        if vocab_size is None and served is None and declared is not None and rows != declared:
+            raise VerifyError(f"vocabulary: {name} has {rows} rows, {EXPORT_FILE} declares {declared}")
+        if vocab_size is None and served is None and declared is None and rows != tokenizer.rows:
+            raise VerifyError(
+                f"vocabulary: {name} has {rows} rows but the tokenizer has {tokenizer.rows} tokens "
+                "(pass --vocab-size or --expect-config if the engine keeps padding rows)"
+            )
+    problem = layout_problem(actual, expected, where)
+    if problem is not None:
+        raise VerifyError(problem)
+
+    if served is not None:
+        for field in COMPATIBLE_FIELDS:
+            ours, theirs = getattr(config, field), getattr(served, field)
+            if ours != theirs:
+                raise VerifyError(f"{CONFIG_FILE}: {field} is {ours}, the served model's config has {theirs}")
+
+    return {
+        "path": str(folder),
+        "architecture": config.architecture,
+        "model_type": config.model_type,
+        "tensors": len(actual),
+        "parameters": sum(math.prod(shape) for shape, _ in actual.values()),
+        "dtype": dtype,
+        "vocab_rows": config.vocab_size,
+        "tokenizer_tokens": tokenizer.tokens,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "weight_files": files,
+        "weight_bytes": payload,
+        "chat_template": chat_template,
+        "hashed_files": len(sums),
+        "unlisted_files": unlisted,
+        "expect_config": str(expect_config) if expect_config is not None else None,
+    }
