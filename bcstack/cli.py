@@ -12,6 +12,8 @@ import typer
 
 from bcstack import __version__
 from bcstack.evaluation.cli import app as eval_app
+from bcstack.rl import cli as rl_cli
+from bcstack.rl import report as rl_report
 from core.kit.cli import ServeCommand
 from devkit.modelkit.cli import app as model_app
 from devkit.toyworld.cli import app as toyworld_app
@@ -57,6 +59,8 @@ train_app = typer.Typer(
     help="The trainer: GRPO steps from episode records, serving-format export.", no_args_is_help=True
 )
 train_app.command("grpo")(trainer_cli.grpo)
+train_app.command("rl")(rl_cli.rl)
+train_app.command("report")(rl_report.report)
 train_app.command("export")(trainer_cli.export)
 app.add_typer(train_app, name="train")
 checkpoint_app = typer.Typer(help="Serving-format checkpoints.", no_args_is_help=True)

@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+TRAIN_DIR = "train"  # RL runs of this stack: the worker reloads exports from here
 STATE_FILE = "stack.json"
 TOKEN_FILE = "admin-token"
 DEFAULT_PORTS = {
@@ -205,7 +206,11 @@ def plan(state: Path, assets: dict[str, Path], worker: str, token: str) -> list[
     engine = svc("engine", engine_args)
     worker_svc = svc(
         "worker",
-        ["--tokenizer", str(tokenizer), "--engine-url", engine.http, "--retrieval", retrieval.grpc or ""],
+        [
+            "--tokenizer", str(tokenizer), "--engine-url", engine.http, "--retrieval", retrieval.grpc or "",
+            # `bcstack train rl --state` writes its exports under STATE/train; the worker reloads them.
+            "--checkpoint-root", str(state / TRAIN_DIR),
+        ],  # fmt: skip
     )
     llm = svc("coordinator-llm", ["--policy", "scripted"])
     gateway = svc(
@@ -270,6 +275,7 @@ def up(
         token_path.write_text(secrets.token_urlsafe(24) + "\n")
         token_path.chmod(0o600)
     token = token_path.read_text().strip()
+    (state / TRAIN_DIR).mkdir(exist_ok=True)
     services = plan(state, assets, worker, token)
     logs = state / "logs"
     logs.mkdir(exist_ok=True)

@@ -1,44 +1,75 @@
-"""Benchmark: coordinator-gateway episodes per second and the gateway's own overhead per turn.
+"""Benchmark: coordinator-gateway episodes per second and the gateway's whole CPU per coordinator turn,
+for gateway variants side by side in one run.
 
-    python bench/gateway.py [--concurrency 1,64,512] [--duration 20] [--work DIR]
+    python bench/gateway.py [--concurrency 1,64,512] [--duration 20] [--variants httpx,aiohttp]
+                            [--work DIR] [--json FILE] [--results FILE]
 
 Behind the gateway (`bcstack serve coordinator`) stand an instant coordinator and instant
 workers: the scripted coordinator LLM (`bcstack serve coordinator-llm`, no model: it branches
 the question to one worker, then finishes with the worker's answer) and a stub worker service in
 a child process of this script (a real gRPC WorkerService that answers every branch at once with
-a canned finished report). This script keeps N episodes in flight over HTTP for --duration
-seconds per level. It reports episodes/s, turns/s, errors, statuses, the client-side episode
-latency, and per coordinator turn (from the gateway's /metrics, deltas per level) the gateway's
-own compute = turn time - coordinator LLM wait - worker wait (parsing, validation, dispatch,
-observations), mean and p99; and the gateway process's whole CPU time per turn (its HTTP
-server and client, gRPC, JSON, records, the event loop: everything it spends, per turn served),
-beside the CPU time of the other processes. Time lost between the processes (HTTP client, transport, the
-gateway's event loop picking up a finished call) shows as the gap between an LLM call as the
-gateway timed it and the same calls as the LLM server timed them. The durable record write
-(SQLite, fsync) is per episode and reported apart. All processes share this machine's cores.
+a canned finished report). One gateway process runs per variant (`VARIANTS`: the same settings
+but one), all behind the same LLM and worker; at each concurrency level this script drives each
+variant in turn (the order alternating from level to level), keeping N episodes in flight over
+HTTP for --duration seconds after a short unmeasured warm-up at that level.
 
-Target (issue 5): overhead <= 5 ms per turn and no errors at 512 concurrent episodes.
+The headline is the gateway process's whole CPU time (user + system, all threads, from
+/proc/<pid>/stat) per coordinator turn served: its HTTP server and client, gRPC, JSON, records,
+the event loop, everything. It is compared with the first variant's at the same level (a ratio).
+Beside it: episodes/s, errors, the client-side episode latency (raw samples), the CPU time of the
+other processes, and from a sample of the stored records (`GET /v1/episodes/{id}`, after the
+level) the gateway's compute inside each turn = turn time - LLM wait - worker wait, percentiles
+of raw per-turn samples. The LLM call as the gateway timed it against the same calls as the LLM
+server timed them (means, from the two /metrics) shows the time lost between the processes and
+in the gateway's event loop. The durable record write (SQLite, fsync) is per episode.
+All processes share this machine's cores.
+
+Target (issues 5 and 13): gateway CPU <= 5 ms per coordinator turn and no errors at 512 concurrent
+episodes. The tables, with the command, commit, machine and date, go to bench/results/gateway.md
+(--results), the file the README's numbers come from.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
+import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
+import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import free_port, histogram, machine, print_machine, process, summary  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    Table,
+    free_port,
+    histogram,
+    machine,
+    print_machine,
+    process,
+    render_results,
+    write_results,
+)
+
+# Gateway settings per variant, on top of the common ones; the first listed is the baseline.
+VARIANTS: dict[str, dict] = {
+    "httpx": {"upstream_http_client": "httpx"},
+    "aiohttp": {"upstream_http_client": "aiohttp"},
+}
+TARGET_CONCURRENCY = 512
+TARGET_CPU_MS_PER_TURN = 5.0
+RECORDS_SAMPLED = 400  # stored records read back per level and variant for the per-turn samples
 
 
 def stub_worker(port: int) -> None:
@@ -95,19 +126,43 @@ def stub_worker(port: int) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc), in seconds."""
+    """User + system CPU time of a process so far, all its threads (Linux /proc), in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def percentiles_ms(samples: list[float]) -> dict:
+    """n, mean, p50, p99 in ms of raw samples in seconds (linear interpolation between samples)."""
+    if not samples:
+        return {"n": 0, "mean_ms": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
+    a = np.asarray(samples) * 1e3
+    return {
+        "n": len(samples),
+        "mean_ms": float(a.mean()),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p99_ms": float(np.percentile(a, 99)),
+    }
+
+
+def histogram_mean_ms(before, after) -> dict:
+    """Count and exact mean (sum / count) of a histogram between two scrapes; no bucket is read."""
+    (_, s0, c0), (_, s1, c1) = before, after
+    n = c1 - c0
+    return {"n": int(n), "mean_ms": (s1 - s0) / n * 1e3 if n > 0 else float("nan")}
+
+
 async def drive(url: str, concurrency: int, duration: float) -> dict:
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    """N closed-loop clients posting episodes for `duration` seconds (aiohttp: a cheap load generator)."""
+    connector = aiohttp.TCPConnector(limit=concurrency + 8)
     deadline = time.perf_counter() + duration
     done = turns = errors = 0
     statuses: dict[str, int] = {}
     latencies: list[float] = []
+    episode_ids: list[str] = []
     counter = 0
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+    async with aiohttp.ClientSession(
+        url, connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+    ) as client:
 
         async def loop() -> None:
             nonlocal done, turns, errors, counter
@@ -116,42 +171,177 @@ async def drive(url: str, concurrency: int, duration: float) -> dict:
                 body = {"question": f"Where was the laureate of prize {counter} born?"}
                 t0 = time.perf_counter()
                 try:
-                    r = await client.post("/v1/episodes", json=body)
-                except httpx.HTTPError as e:
+                    async with client.post("/v1/episodes", json=body) as r:
+                        status = r.status
+                        data = await r.json() if status == 200 else None
+                except (aiohttp.ClientError, TimeoutError) as e:
                     errors += 1
                     statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
                     continue
-                if r.status_code != 200:
+                if data is None:
                     errors += 1
-                    statuses[f"http{r.status_code}"] = statuses.get(f"http{r.status_code}", 0) + 1
+                    statuses[f"http{status}"] = statuses.get(f"http{status}", 0) + 1
                     continue
                 latencies.append(time.perf_counter() - t0)
-                data = r.json()
                 statuses[data["status"]] = statuses.get(data["status"], 0) + 1
                 if data["status"] != "finish":
                     errors += 1
                 done += 1
                 turns += data["usage"]["turns"]
+                episode_ids.append(data["episode_id"])
 
         start = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
-    latencies.sort()
-
-    def pct(q: float) -> float:
-        return (
-            latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3 if latencies else float("nan")
-        )
-
     return {
         "episodes": done,
         "turns": turns,
         "errors": errors,
         "seconds": elapsed,
         "statuses": statuses,
-        "latency_p50_ms": pct(0.5),
-        "latency_p99_ms": pct(0.99),
+        "latency": percentiles_ms(latencies),
+        "episode_ids": episode_ids,
     }
+
+
+async def turn_samples(url: str, episode_ids: list[str], limit: int) -> dict[str, list[float]]:
+    """Per coordinator turn of a random sample of stored records: the gateway's own compute
+    (turn - LLM wait - worker wait) and the LLM wait as the gateway timed it, in seconds."""
+    chosen = random.Random(0).sample(episode_ids, min(limit, len(episode_ids)))
+    compute: list[float] = []
+    llm: list[float] = []
+    gate = asyncio.Semaphore(8)
+    async with aiohttp.ClientSession(url) as client:
+
+        async def one(episode_id: str) -> None:
+            async with gate, client.get(f"/v1/episodes/{episode_id}") as r:
+                record = await r.json()
+            for t in record["coordinator"]["turns"]:
+                if t["total_seconds"] > 0:
+                    compute.append(max(0.0, t["total_seconds"] - t["seconds"] - t["workers_seconds"]))
+                    llm.append(t["seconds"])
+
+        await asyncio.gather(*(one(i) for i in chosen))
+    return {"compute": compute, "llm": llm}
+
+
+def measure(gateway: dict, llm_url: str, pids: dict[str, int], level: int, duration: float) -> dict:
+    """One variant at one level: warm-up, then the measured window, then the record sample."""
+    url = gateway["url"]
+    asyncio.run(drive(url, level, min(2.0, duration / 5)))  # connections up, pools grown
+    series = {
+        "record_write": (url, "bcstack_coordinator_record_write_duration_seconds", None),
+        "llm_call_gateway": (url, "bcstack_coordinator_upstream_request_duration_seconds", {"outcome": "ok"}),
+        "llm_call_server": (llm_url, "bcstack_coordinator_llm_request_duration_seconds", None),
+    }
+    procs = {"gateway": gateway["pid"], **pids}
+    before = {k: histogram(*v) for k, v in series.items()}
+    cpu0 = {k: cpu_seconds(pid) for k, pid in procs.items()}
+    run = asyncio.run(drive(url, level, duration))
+    cpu1 = {k: cpu_seconds(pid) for k, pid in procs.items()}
+    after = {k: histogram(*v) for k, v in series.items()}
+    run["cpu_seconds"] = {k: cpu1[k] - cpu0[k] for k in procs}
+    run["gateway_cpu_ms_per_turn"] = run["cpu_seconds"]["gateway"] * 1e3 / max(run["turns"], 1)
+    for key in series:
+        run[key] = histogram_mean_ms(before[key], after[key])
+    samples = asyncio.run(turn_samples(url, run.pop("episode_ids"), RECORDS_SAMPLED))
+    run["turn_compute"] = percentiles_ms(samples["compute"])
+    run["turn_llm_wait"] = percentiles_ms(samples["llm"])
+    return run
+
+
+def tables(results: list[dict], variants: list[str], duration: float) -> tuple[list[Table], list[str]]:
+    base = {r["concurrency"]: r for r in results if r["variant"] == variants[0]}
+    verdicts = []
+    top = max(r["concurrency"] for r in results)
+    target_level = TARGET_CONCURRENCY if TARGET_CONCURRENCY in base else top
+    for r in results:
+        if r["concurrency"] == target_level:
+            met = r["gateway_cpu_ms_per_turn"] <= TARGET_CPU_MS_PER_TURN and r["errors"] == 0
+            verdicts.append(
+                f"Target (gateway CPU <= {TARGET_CPU_MS_PER_TURN:g} ms per coordinator turn and no errors "
+                f"at {target_level} concurrent episodes), {r['variant']}: {'met' if met else 'NOT met'} "
+                f"({r['gateway_cpu_ms_per_turn']:.2f} ms, {r['errors']} errors)."
+            )
+    headline = Table(
+        f"Gateway CPU per coordinator turn, {duration:g} s per level and variant "
+        f"(ratios: ÷ {variants[0]} at the same level)",
+        [
+            "concurrent episodes",
+            "variant",
+            "gateway CPU ms per turn",
+            f"CPU per turn ÷ {variants[0]}",
+            "episodes/s",
+            f"episodes/s ÷ {variants[0]}",
+            "turns/s",
+            "episodes",
+            "turns",
+            "errors",
+            "statuses",
+        ],
+        [
+            [
+                r["concurrency"],
+                r["variant"],
+                r["gateway_cpu_ms_per_turn"],
+                r["gateway_cpu_ms_per_turn"] / base[r["concurrency"]]["gateway_cpu_ms_per_turn"],
+                r["episodes"] / r["seconds"],
+                (r["episodes"] / r["seconds"])
+                / (base[r["concurrency"]]["episodes"] / base[r["concurrency"]]["seconds"]),
+                r["turns"] / r["seconds"],
+                r["episodes"],
+                r["turns"],
+                r["errors"],
+                json.dumps(r["statuses"], sort_keys=True),
+            ]
+            for r in results
+        ],
+        verdicts,
+    )
+    detail = Table(
+        "Where the time goes (raw samples: episode latency client-side, compute per turn from "
+        f"{RECORDS_SAMPLED} stored records per row; means of the /metrics histograms)",
+        [
+            "concurrent episodes",
+            "variant",
+            "episode p50 ms",
+            "episode p99 ms",
+            "compute per turn p50 ms",
+            "compute per turn p99 ms",
+            "compute per turn mean ms",
+            "turns sampled",
+            "LLM call mean ms, gateway view",
+            "LLM call mean ms, server view",
+            "record write mean ms",
+            "CPU s gateway",
+            "CPU s LLM",
+            "CPU s worker",
+            "CPU s client",
+        ],
+        [
+            [
+                r["concurrency"],
+                r["variant"],
+                r["latency"]["p50_ms"],
+                r["latency"]["p99_ms"],
+                r["turn_compute"]["p50_ms"],
+                r["turn_compute"]["p99_ms"],
+                r["turn_compute"]["mean_ms"],
+                r["turn_compute"]["n"],
+                r["llm_call_gateway"]["mean_ms"],
+                r["llm_call_server"]["mean_ms"],
+                r["record_write"]["mean_ms"],
+                *(r["cpu_seconds"][k] for k in ("gateway", "llm", "worker", "client")),
+            ]
+            for r in results
+        ],
+        [
+            "Compute per turn = the turn minus the LLM and worker waits, as the gateway timed them: it "
+            "leaves out the gateway's HTTP server and client and its event loop's queueing, which the "
+            "CPU per turn above includes and the gap between the two LLM-call views shows."
+        ],
+    )
+    return [headline, detail], verdicts
 
 
 def main() -> None:
@@ -159,24 +349,77 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--concurrency", default="1,64,512", help="levels of episodes in flight")
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds per level")
+    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds per level and variant")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"gateway variants, baseline first ({', '.join(VARIANTS)})",
+    )
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bcstack-bench-gateway")
     parser.add_argument("--json", type=Path, help="also write the raw numbers here")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR / "gateway.md", help="results file")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     args.work.mkdir(parents=True, exist_ok=True)
-    records = args.work / "records.sqlite"
-    records.unlink(missing_ok=True)
-    for suffix in ("-wal", "-shm"):
-        Path(str(records) + suffix).unlink(missing_ok=True)
 
     print("gateway benchmark")
     print_machine()
-    ports = {k: free_port() for k in ("llm", "worker", "g_http", "g_grpc")}
+    ports = {k: free_port() for k in ("llm", "worker")}
     stub = multiprocessing.get_context("spawn").Process(
         target=stub_worker, args=(ports["worker"],), daemon=True
     )
     stub.start()
+    llm_url = f"http://127.0.0.1:{ports['llm']}"
+    results = []
+    try:
+        with contextlib.ExitStack() as stack:
+            llm_proc = stack.enter_context(
+                process(
+                    ["serve", "coordinator-llm", "--port", str(ports["llm"])],
+                    llm_url + "/health",
+                    args.work / "llm.log",
+                )
+            )
+            gateways = {}
+            for variant in variants:
+                gateways[variant] = start_gateway(stack, args.work, variant, ports, max(levels))
+                asyncio.run(drive(gateways[variant]["url"], 4, 2.0))  # first connections and records
+            pids = {"llm": llm_proc.pid, "worker": stub.pid, "client": os.getpid()}
+            for i, level in enumerate(levels):
+                for variant in variants if i % 2 == 0 else variants[::-1]:
+                    run = measure(gateways[variant], llm_url, pids, level, args.duration)
+                    run.update(concurrency=level, variant=variant)
+                    results.append(run)
+                    print(
+                        f"  c={level} {variant}: {run['episodes'] / run['seconds']:.1f} episodes/s, "
+                        f"{run['errors']} errors, gateway CPU "
+                        f"{run['gateway_cpu_ms_per_turn']:.2f} ms per turn",
+                        flush=True,
+                    )
+    finally:
+        stub.terminate()
+
+    order = {v: k for k, v in enumerate(variants)}
+    results.sort(key=lambda r: (r["concurrency"], order[r["variant"]]))
+    out, verdicts = tables(results, variants, args.duration)
+    print()
+    print(render_results("gateway", out))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "results": results}, indent=2))
+    print(f"results: {write_results('gateway', out, path=args.results)}")
+
+
+def start_gateway(
+    stack: contextlib.ExitStack, work: Path, variant: str, ports: dict[str, int], max_concurrent: int
+) -> dict:
+    """One gateway process with the variant's settings and its own record file; its URL and pid."""
+    records = work / f"records-{variant}.sqlite"
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(records) + suffix).unlink(missing_ok=True)
     config = {
         "endpoints": [
             {
@@ -187,104 +430,31 @@ def main() -> None:
         ],
         "workers": [f"127.0.0.1:{ports['worker']}"],
         "records_path": str(records),
-        "max_concurrent_episodes": max(levels),
+        "max_concurrent_episodes": max_concurrent,
         "log_level": "WARNING",
+        **VARIANTS[variant],
     }
-    (args.work / "gateway.yaml").write_text(yaml.safe_dump(config))
-    gateway_url = f"http://127.0.0.1:{ports['g_http']}"
-    results = []
-    try:
-        with (
-            process(
-                ["serve", "coordinator-llm", "--port", str(ports["llm"])],
-                f"http://127.0.0.1:{ports['llm']}/health",
-                args.work / "llm.log",
-            ) as llm_proc,
-            process(
-                [
-                    "serve",
-                    "coordinator",
-                    "--config",
-                    str(args.work / "gateway.yaml"),
-                    "--port",
-                    str(ports["g_http"]),
-                    "--grpc-port",
-                    str(ports["g_grpc"]),
-                ],
-                gateway_url + "/health",
-                args.work / "gateway.log",
-            ) as gateway_proc,
-        ):
-            asyncio.run(drive(gateway_url, 4, 2.0))  # warm-up: connections, first records
-            llm_url = f"http://127.0.0.1:{ports['llm']}"
-            series = {
-                "overhead": (gateway_url, "bcstack_coordinator_turn_overhead_seconds", None),
-                "record_write": (gateway_url, "bcstack_coordinator_record_write_duration_seconds", None),
-                "llm_call_gateway": (
-                    gateway_url,
-                    "bcstack_coordinator_upstream_request_duration_seconds",
-                    {"outcome": "ok"},
-                ),
-                "llm_call_server": (llm_url, "bcstack_coordinator_llm_request_duration_seconds", None),
-            }
-            pids = {
-                "gateway": gateway_proc.pid,
-                "llm": llm_proc.pid,
-                "worker": stub.pid,
-                "client": os.getpid(),
-            }
-            for level in levels:
-                before = {k: histogram(*v) for k, v in series.items()}
-                cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
-                run = asyncio.run(drive(gateway_url, level, args.duration))
-                cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
-                after = {k: histogram(*v) for k, v in series.items()}
-                run["concurrency"] = level
-                run["cpu_seconds"] = {k: cpu1[k] - cpu0[k] for k in pids}
-                for key in series:
-                    run[key] = summary(before[key], after[key])
-                results.append(run)
-                print(
-                    f"  c={level}: {run['episodes'] / run['seconds']:.1f} episodes/s, "
-                    f"{run['errors']} errors, overhead mean {run['overhead']['mean_ms']:.2f} ms",
-                    flush=True,
-                )
-    finally:
-        stub.terminate()
-
-    base = results[0]["episodes"] / results[0]["seconds"] if results else float("nan")
-    print()
-    print(
-        "| concurrent episodes | episodes/s | vs 1 | turns/s | errors | statuses | episode p50 / p99 ms "
-        "| gateway compute per turn mean / p99 ms | gateway CPU ms per turn "
-        "| LLM call mean ms: gateway view / server view | record write p50 / p99 ms "
-        "| CPU s: gateway / LLM / worker / client |"
+    path = work / f"gateway-{variant}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    http, grpc_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{http}"
+    proc = stack.enter_context(
+        process(
+            [
+                "serve",
+                "coordinator",
+                "--config",
+                str(path),
+                "--port",
+                str(http),
+                "--grpc-port",
+                str(grpc_port),
+            ],
+            url + "/health",
+            work / f"gateway-{variant}.log",
+        )
     )
-    print("|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
-    for r in results:
-        eps = r["episodes"] / r["seconds"]
-        o, w = r["overhead"], r["record_write"]
-        g, v, c = r["llm_call_gateway"], r["llm_call_server"], r["cpu_seconds"]
-        print(
-            f"| {r['concurrency']} | {eps:.1f} | {eps / base:.2f} | {r['turns'] / r['seconds']:.1f} "
-            f"| {r['errors']} | {', '.join(f'{k} {v}' for k, v in sorted(r['statuses'].items()))} "
-            f"| {r['latency_p50_ms']:.1f} / {r['latency_p99_ms']:.1f} "
-            f"| {o['mean_ms']:.3f} / {o['p99_ms']:.3f} "
-            f"| {c['gateway'] * 1e3 / max(r['turns'], 1):.2f} "
-            f"| {g['mean_ms']:.2f} / {v['mean_ms']:.2f} "
-            f"| {w['p50_ms']:.2f} / {w['p99_ms']:.2f} "
-            f"| {' / '.join(f'{c[k]:.1f}' for k in ('gateway', 'llm', 'worker', 'client'))} |"
-        )
-    top = results[-1] if results else None
-    if top is not None:
-        met = top["overhead"]["mean_ms"] <= 5.0 and top["errors"] == 0
-        print(
-            f"\ntarget at {top['concurrency']} concurrent episodes: overhead <= 5 ms per turn and no "
-            f"errors: {'met' if met else 'NOT met'} (mean {top['overhead']['mean_ms']:.2f} ms, "
-            f"{top['errors']} errors)"
-        )
-    if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "results": results}, indent=2))
+    return {"url": url, "pid": proc.pid}
 
 
 if __name__ == "__main__":

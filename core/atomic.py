@@ -1,4 +1,4 @@
-"""Whole folders written safely: build in a staging folder, then swap it into place."""
+"""Files and folders written safely: whole or not at all (a temporary beside it, then a rename)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,14 @@ def swap_in(staging: Path, out_dir: Path) -> None:
         shutil.rmtree(retired)
     else:
         staging.rename(out_dir)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file beside it, fsynced, then renamed over it."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with temporary.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)

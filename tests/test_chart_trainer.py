@@ -1,7 +1,10 @@
-"""charts/bcstack, trainer component: a Job running `bcstack train grpo` under torchrun (TP size =
-processes in the pod, one GPU each with trainer.gpu), on the workers' own checkpoint claim and an
-existing records claim, non-root on a read-only root, checked offline (render, lint, Kubernetes
-schemas, torchrun's own argument parser, one real CPU launch). Also docker/trainer.Dockerfile."""
+"""charts/bcstack, trainer component: a Job under torchrun (TP size = processes in the pod, one GPU
+each with trainer.gpu, at most 1 until the step shards the model) on the workers' own checkpoint
+claim, non-root on a read-only root. Mode rl runs `bcstack train rl` against the release's gateway,
+judge and worker pods (its own ServiceAccount allowed only to read pods, the admin token from its
+Secret, a PodMonitor on its metrics port); mode grpo runs `bcstack train grpo` over an existing
+records claim. Checked offline (render, lint, Kubernetes schemas, torchrun's own argument parser,
+the trainer's own command lines, real CPU launches). Also docker/trainer.Dockerfile."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from helm_harness import (
     pod_spec,
     render_chart,
     render_notes,
+    selects,
     validate_manifests,
 )
 from test_dockerfiles import build_args, check_dockerfile, commands_by_instruction
@@ -40,26 +44,38 @@ RECORDS_CLAIM = "episode-records"
 JOB_NAME = re.compile(r"^bc-bcstack-trainer-[0-9a-f]{8}$")
 
 
-def trainer(worker: dict[str, Any] | None = None, **block: Any) -> dict[str, Any]:
-    """Chart values with the trainer enabled on a records claim, `block` merged into its values,
-    and the worker enabled (it owns the checkpoint claim) with `worker` merged into its block."""
+def grpo(worker: dict[str, Any] | None = None, **block: Any) -> dict[str, Any]:
+    """Chart values with the trainer enabled in grpo mode on a records claim, `block` merged into its
+    values, and the worker enabled (it owns the checkpoint claim) with `worker` merged into its block."""
     records = block.pop("records", {})
     if records is not None:  # None: a test drops the whole block
         records = {"existingClaim": RECORDS_CLAIM, **records}
     worker_block = {"enabled": True, "settings": {"retrievalAddress": "retrieval:50051"}, **(worker or {})}
-    return {"trainer": {"enabled": True, "records": records, **block}, "worker": worker_block}
+    return {"trainer": {"enabled": True, "mode": "grpo", "records": records, **block}, "worker": worker_block}
+
+
+def rl(rl_block: dict[str, Any] | None = None, **block: Any) -> dict[str, Any]:
+    """Chart values with the trainer enabled in its default mode, rl, `rl_block` merged into its
+    `rl` block and `block` into the trainer's, beside what the loop talks to: the worker, the
+    coordinator and the judge, all enabled, and an admin token."""
+    return {
+        "trainer": {"enabled": True, "rl": rl_block or {}, **block},
+        "worker": {"enabled": True, "replicas": 2, "settings": {"retrievalAddress": "retrieval:50051"}},
+        "coordinator": {"enabled": True},
+        "judge": {"enabled": True},
+        "adminToken": {"create": True, "value": "s3cr3t-admin-token"},
+    }
 
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
-    # The trainer's defaults: TP1 on the CPU, the worker's PVC, resume on.
-    "defaults": trainer(),
+    # grpo on the trainer's defaults: TP1 on the CPU, the worker's PVC, resume on.
+    "defaults": grpo(),
     "gpu": {
-        **trainer(
+        **grpo(
             worker={
                 "checkpoints": {"existingClaim": "shared-checkpoints", "mountPath": "/ckpt"},
                 "model": {"path": "/ckpt/sft"},
             },
-            tensorParallel=4,
             gpu=True,
             gpuResource="nvidia.com/gpu",
             model="/ckpt/sft",
@@ -84,13 +100,49 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "alone-no-resume": {
         "trainer": {
             "enabled": True,
+            "mode": "grpo",
             "resume": False,
-            "tensorParallel": 2,
             "records": {"existingClaim": RECORDS_CLAIM},
         },
         "worker": {"checkpoints": {"existingClaim": "trainer-out"}},
     },
+    # The RL loop on the chart's defaults: this release's services, questions on the checkpoint
+    # volume, scraped by Prometheus.
+    "rl": {**rl(), "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
+    # The RL loop against a gateway and a judge elsewhere, questions on their own claim with a
+    # held-out set, an existing ServiceAccount and Secret, W&B.
+    "rl-external": {
+        **rl(
+            {
+                "gatewayUrl": "http://gateway.llm.svc:8003",
+                "judgeUrl": "https://judge.example.com",
+                "questions": {
+                    "existingClaim": "question-sets",
+                    "file": "/data/questions/train.jsonl",
+                    "evalFile": "/data/questions/heldout.jsonl",
+                },
+                "updates": 20,
+                "groups": 4,
+                "groupSize": 16,
+                "maxPolicyLag": 0,
+                "evalEvery": 5,
+                "reportTo": ["tensorboard", "wandb"],
+                "wandbApiKeySecret": {"name": "wandb", "key": "api-key"},
+                "metricsPort": 9400,
+            },
+            serviceAccount={"create": False, "name": "rl-trainer"},
+            rbac={"create": False},
+            learningRate=3e-6,
+            resume=False,
+            extraArgs=["--dynamic-sampling"],
+        ),
+        "coordinator": {"enabled": False},
+        "judge": {"enabled": False},
+        "adminToken": {"existingSecret": "ops-admin", "key": "token"},
+    },
 }
+GRPO_SETS = ("defaults", "gpu", "alone-no-resume")
+RL_SETS = ("rl", "rl-external")
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +194,18 @@ def test_value_set_renders_valid_objects_and_lints_clean(
     assert JOB_NAME.match(job(manifests)["metadata"]["name"])
 
 
-def test_trainer_is_one_job_and_nothing_else(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    for manifests in rendered.values():
-        own = [
-            m for m in manifests if m["metadata"]["labels"].get("app.kubernetes.io/component") == "trainer"
-        ]
-        assert [m["kind"] for m in own] == ["Job"]
+def _own(manifests: list[dict[str, Any]]) -> list[str]:
+    """The kinds of the trainer's objects, sorted."""
+    labels = [(m["kind"], m["metadata"]["labels"].get("app.kubernetes.io/component")) for m in manifests]
+    return sorted(kind for kind, component in labels if component == "trainer")
+
+
+def test_trainer_objects_per_mode(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for name in GRPO_SETS:
+        assert _own(rendered[name]) == ["Job"], name  # grpo talks to nothing
+    # rl: its own ServiceAccount with a Role on pods, and a PodMonitor where Prometheus scrapes.
+    assert _own(rendered["rl"]) == ["Job", "PodMonitor", "Role", "RoleBinding", "ServiceAccount"]
+    assert _own(rendered["rl-external"]) == ["Job"]  # an existing ServiceAccount, no scraping
     alone = kinds(rendered["alone-no-resume"])
     assert [kind for kind, _ in alone] == ["ConfigMap", "Job", "ServiceAccount"]  # no PVC of its own
 
@@ -161,14 +219,16 @@ def test_disabled_trainer_renders_nothing() -> None:
     assert not [m for m in render_chart({"trainer": {"enabled": False}}) if m["kind"] == "Job"]
 
 
-# --- the command: torchrun with the TP size, then `bcstack train grpo` -------------------------
+# --- the command: torchrun with the TP size, then `bcstack train <mode>` -----------------------
 
 
-@pytest.mark.parametrize(("name", "tp"), [("defaults", 1), ("gpu", 4), ("alone-no-resume", 2)])
+@pytest.mark.parametrize("name", VALUE_SETS)
 def test_container_runs_torchrun_with_the_tp_size(
-    name: str, tp: int, rendered: dict[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+    name: str, rendered: dict[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from torch.distributed.run import config_from_args, get_args_parser
+
+    tp = 1  # the only size the schema lets through until the step shards the model
 
     container = container_of(rendered[name])
     assert container["command"] == ["torchrun"]
@@ -206,18 +266,40 @@ def test_grpo_reads_records_and_checkpoints_and_resumes(rendered: dict[str, list
     assert "--lr" not in args  # null: the trainer's own default
 
 
-def test_rendered_launcher_starts_tp_ranks_of_bcstack_on_the_cpu(
-    rendered: dict[str, list[dict[str, Any]]],
-) -> None:
-    """The rendered torchrun flags, run for real on the CPU: two ranks, each `python -m bcstack`."""
+def _torchrun(launcher: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_rendered_launcher_starts_bcstack_on_the_cpu(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The rendered torchrun flags, run for real on the CPU: one rank, `python -m bcstack`."""
     args = container_of(rendered["alone-no-resume"])["args"]
     launcher = args[: args.index("-m") + 2]
-    # Each rank prints the `train` group's help; the grpo command itself is checked below.
-    command = [sys.executable, "-m", "torch.distributed.run", *launcher, "train", "--help"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    # The rank prints the `train` group's help; the commands themselves are checked below.
+    done = _torchrun(launcher, "train", "--help")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("Usage:") == 2, done.stdout[-4000:]
+    assert done.stdout.count("Usage:") == 1, done.stdout[-4000:]
+
+
+def test_the_trainer_refuses_several_ranks_the_schema_would_let_through(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Were tensorParallel 2 rendered, each rank of the grpo command stops before loading anything,
+    saying why, instead of training the whole model twice into one folder."""
+    args = container_of(rendered["alone-no-resume"])["args"]
+    launcher = args[: args.index("-m") + 2]
+    launcher[launcher.index("--nproc_per_node") + 1] = "2"
+    out = tmp_path / "run"
+    command = ["train", "grpo", "--records", str(tmp_path / "r.jsonl"), "--model", str(tmp_path / "m")]
+    done = _torchrun(launcher, *command, "--ref", str(tmp_path / "m"), "--out", str(out))
+    assert done.returncode != 0
+    refusal = (
+        "error: bcstack train grpo does not shard the model yet: with 2 ranks each would train the whole "
+        "model and overwrite the same checkpoint folder; run it with one process (tensorParallel 1)"
+    )
+    assert done.stderr.count(refusal) == 2, done.stderr[-4000:]  # one line from each rank
+    assert not out.exists()
 
 
 def test_grpo_command_accepts_the_flags_the_chart_passes(
@@ -229,7 +311,7 @@ def test_grpo_command_accepts_the_flags_the_chart_passes(
     assert "grpo" in train.commands  # type: ignore[attr-defined]  # what the Job runs
     from typer.testing import CliRunner
 
-    for name in ("defaults", "gpu", "alone-no-resume"):
+    for name in GRPO_SETS:
         args = script_args(rendered[name])
         args = args[: len(args) - len(VALUE_SETS[name]["trainer"].get("extraArgs", []))]  # not the chart's
         # --help is eager: it runs once every flag has been recognised, before any value is used.
@@ -237,20 +319,193 @@ def test_grpo_command_accepts_the_flags_the_chart_passes(
         assert result.exit_code == 0, (name, result.output)
 
 
+# --- rl mode: `bcstack train rl` against the release's own gateway, judge and worker pods -------
+
+
+def _rl_command() -> Any:
+    from bcstack.cli import app
+
+    train = typer.main.get_command(app).commands["train"]
+    return train.commands["rl"]  # type: ignore[attr-defined]
+
+
+def _rl_params(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    """What `bcstack train rl` makes of the rendered args: its own parser, no callback run."""
+    args = script_args(manifests)
+    assert args[:2] == ["train", "rl"], args
+    context = _rl_command().make_context("rl", args[2:], resilient_parsing=True)
+    return context.params
+
+
+def test_rl_runs_the_loop_against_the_release(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    manifests = rendered["rl"]
+    params = _rl_params(manifests)
+    # The gateway and the judge by their Services' names and HTTP ports.
+    for flag_name, service in (("gateway", "bc-bcstack-coordinator"), ("judge", "bc-bcstack-judge")):
+        (port,) = [
+            p["port"] for p in find(manifests, "Service", service)["spec"]["ports"] if p["name"] == "http"
+        ]
+        assert params[flag_name] == f"http://{service}:{port}", flag_name
+    # The worker pods: exactly the labels their Deployment selects its pods by, in this namespace,
+    # on the port their sidecar serves /admin/reload on.
+    deployment = find(manifests, "Deployment", WORKER)
+    selector = dict(term.split("=", 1) for term in params["k8s_selector"].split(","))
+    assert selector == deployment["spec"]["selector"]["matchLabels"]
+    assert selects(selector, deployment["spec"]["template"]["metadata"]["labels"])
+    for other in ("StatefulSet", "Job"):  # not the gateway's, the judge's or its own pods
+        for workload in (m for m in manifests if m["kind"] == other):
+            assert not selects(selector, workload["spec"]["template"]["metadata"]["labels"]), other
+    assert params["k8s_namespace"] == "default" and params["workers"] is None
+    sidecar = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "worker")
+    (http,) = [p["containerPort"] for p in sidecar["ports"] if p["name"] == "http"]
+    assert params["worker_port"] == http
+    # A worker reloads --out's exports by the same path: the root it accepts holds it.
+    assert params["worker_checkpoint_root"] == params["out"] == Path("/checkpoints/qwen3-4b-worker-grpo")
+    assert str(params["out"]).startswith(env_of(sidecar)["BCSTACK_WORKER_CHECKPOINT_ROOT"] + "/")
+    # The schedule (seed 000: 8 x 8), resuming, metrics on their port.
+    assert (params["updates"], params["groups"], params["group_size"], params["max_policy_lag"]) == (
+        130,
+        8,
+        8,
+        1,
+    )
+    assert params["questions"] == Path("/checkpoints/questions/questions.jsonl")
+    assert params["resume"] is True and params["metrics_port"] == 8006
+    assert (params["model"], params["ref"]) == (Path("/checkpoints/qwen3-4b-worker-sft"),) * 2
+    assert "--eval-every" not in script_args(manifests) and "--lr" not in script_args(manifests)
+
+
+def test_rl_against_services_elsewhere(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    manifests = rendered["rl-external"]
+    params = _rl_params(manifests)
+    assert (params["gateway"], params["judge"]) == (
+        "http://gateway.llm.svc:8003",
+        "https://judge.example.com",
+    )
+    assert (params["updates"], params["groups"], params["group_size"], params["max_policy_lag"]) == (
+        20,
+        4,
+        16,
+        0,
+    )
+    assert (params["eval_every"], params["eval_questions"]) == (5, Path("/data/questions/heldout.jsonl"))
+    assert params["questions"] == Path("/data/questions/train.jsonl")
+    assert params["report_to"] == "tensorboard,wandb" and params["metrics_port"] == 9400
+    assert params["lr"] == 3e-6 and params["resume"] is False and params["dynamic_sampling"] is True
+    # No gateway or judge of this release: only the workers run beside the trainer.
+    assert not [
+        m
+        for m in manifests
+        if m["kind"] in ("StatefulSet", "Service") and "worker" not in m["metadata"]["name"]
+    ]
+    # The questions' own claim, read-only, beside the checkpoint volume.
+    mount, volume = mounted_volume(pod(manifests), container_of(manifests), "/data/questions")
+    assert volume["persistentVolumeClaim"] == {"claimName": "question-sets", "readOnly": True}
+    assert mount["readOnly"] is True
+    # By default the questions lie on the checkpoint volume: no volume of their own.
+    assert [v["name"] for v in pod(rendered["rl"])["volumes"]] == ["checkpoints", "dshm", "tmp", "home"]
+
+
+def test_rl_command_accepts_the_flags_the_chart_passes(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    from typer.testing import CliRunner
+
+    from bcstack.cli import app
+
+    for name in RL_SETS:
+        # --help is eager: it runs once every flag has been recognised, before any value is used.
+        result = CliRunner().invoke(app, [*script_args(rendered[name]), "--help"])
+        assert result.exit_code == 0, (name, result.output)
+
+
+def test_rl_admin_token_comes_from_the_workers_secret(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for name, secret, key in (
+        ("rl", "bc-bcstack-admin-token", "admin-token"),
+        ("rl-external", "ops-admin", "token"),
+    ):
+        manifests = rendered[name]
+        env = env_of(container_of(manifests))
+        assert env["BCSTACK_ADMIN_TOKEN"] == {"secretKeyRef": {"name": secret, "key": key}}, name
+        workers = pod_spec(manifests, WORKER)
+        sidecar = next(c for c in workers["containers"] if c["name"] == "worker")
+        assert env_of(sidecar)["BCSTACK_ADMIN_TOKEN"] == env["BCSTACK_ADMIN_TOKEN"]  # the token they check
+        assert all(isinstance(v, str) or "secretKeyRef" in v for v in env.values()), env  # never a literal
+    created = find(rendered["rl"], "Secret", "bc-bcstack-admin-token")
+    assert "admin-token" in created["data"]
+    assert env_of(container_of(rendered["rl-external"]))["WANDB_API_KEY"] == {
+        "secretKeyRef": {"name": "wandb", "key": "api-key"}
+    }
+    assert "WANDB_API_KEY" not in env_of(container_of(rendered["rl"]))
+
+
+def test_rl_service_account_may_read_pods_and_nothing_else(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    manifests = rendered["rl"]
+    spec = pod(manifests)
+    account = find(manifests, "ServiceAccount", "bc-bcstack-trainer")
+    assert spec["serviceAccountName"] == "bc-bcstack-trainer" and spec["automountServiceAccountToken"] is True
+    role = find(manifests, "Role", "bc-bcstack-trainer")
+    # What `list_namespaced_pod` needs (get and watch for the same resource), in this namespace only.
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert not [m for m in manifests if m["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    binding = find(manifests, "RoleBinding", "bc-bcstack-trainer")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "bc-bcstack-trainer",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "default"}
+    ]
+    # The stack's other pods keep the shared ServiceAccount, without a token.
+    for workload in ("Deployment", "StatefulSet"):
+        for m in (m for m in manifests if m["kind"] == workload):
+            other = m["spec"]["template"]["spec"]
+            assert other["serviceAccountName"] == "bc-bcstack", m["metadata"]["name"]
+            assert other["automountServiceAccountToken"] is False, m["metadata"]["name"]
+    external = pod(rendered["rl-external"])
+    assert external["serviceAccountName"] == "rl-trainer" and external["automountServiceAccountToken"] is True
+
+
+def test_rl_in_another_namespace_lists_the_pods_there() -> None:
+    manifests = render_chart(VALUE_SETS["rl"], namespace="research")
+    validate_manifests(manifests)
+    assert {m["metadata"]["namespace"] for m in manifests} == {"research"}
+    assert flag(script_args(manifests), "--k8s-namespace") == "research"
+    binding = find(manifests, "RoleBinding", "bc-bcstack-trainer")
+    assert binding["subjects"][0]["namespace"] == "research"
+
+
+def test_rl_metrics_are_scraped_by_a_pod_monitor(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    manifests = rendered["rl"]
+    monitor = find(manifests, "PodMonitor", "bc-bcstack-trainer")
+    template = job(manifests)["spec"]["template"]
+    assert selects(monitor["spec"]["selector"]["matchLabels"], template["metadata"]["labels"])
+    for m in manifests:  # and no other pod
+        if m["kind"] in ("Deployment", "StatefulSet"):
+            labels = m["spec"]["template"]["metadata"]["labels"]
+            assert not selects(monitor["spec"]["selector"]["matchLabels"], labels), m["metadata"]["name"]
+    assert monitor["metadata"]["labels"]["release"] == "prom"  # what Prometheus selects monitors by
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["path"], endpoint["interval"]) == ("/metrics", "30s")
+    (port,) = [p for p in container_of(manifests)["ports"] if p["name"] == endpoint["port"]]
+    assert port["containerPort"] == _rl_params(manifests)["metrics_port"]
+    # No Service: a Job's pod is scraped where it runs.
+    assert not [m for m in manifests if m["kind"] == "Service" and "trainer" in m["metadata"]["name"]]
+    assert [p["containerPort"] for p in container_of(rendered["rl-external"])["ports"]] == [9400]
+    assert "ports" not in container_of(rendered["defaults"])  # grpo serves nothing
+
+
 # --- GPUs, volumes, security --------------------------------------------------------------------
 
 
 def test_gpu_resources_only_when_gpu_is_true(rendered: dict[str, list[dict[str, Any]]]) -> None:
     resources = container_of(rendered["gpu"])["resources"]
-    assert resources["requests"]["nvidia.com/gpu"] == 4 and resources["limits"]["nvidia.com/gpu"] == 4
+    assert resources["requests"]["nvidia.com/gpu"] == 1 and resources["limits"]["nvidia.com/gpu"] == 1
     assert resources["requests"]["cpu"] == "4" and resources["limits"]["memory"] == "128Gi"
-    for name in ("defaults", "alone-no-resume"):
+    for name in ("defaults", "alone-no-resume", "rl"):
         resources = container_of(rendered[name])["resources"]
         assert not [k for part in resources.values() for k in part if "gpu" in k], name
-    mig = container_of(
-        render_chart(trainer(gpu=True, tensorParallel=2, gpuResource="nvidia.com/mig-3g.71gb"))
-    )["resources"]
-    assert mig["limits"]["nvidia.com/mig-3g.71gb"] == 2 and "nvidia.com/gpu" not in mig["limits"]
+    mig = container_of(render_chart(grpo(gpu=True, gpuResource="nvidia.com/mig-3g.71gb")))["resources"]
+    assert mig["limits"]["nvidia.com/mig-3g.71gb"] == 1 and "nvidia.com/gpu" not in mig["limits"]
 
 
 def test_gpu_scheduling_settings(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -269,7 +524,11 @@ def test_gpu_scheduling_settings(rendered: dict[str, list[dict[str, Any]]]) -> N
 
 @pytest.mark.parametrize(
     ("name", "claim", "mount"),
-    [("defaults", CLAIM, "/checkpoints"), ("gpu", "shared-checkpoints", "/ckpt")],
+    [
+        ("defaults", CLAIM, "/checkpoints"),
+        ("gpu", "shared-checkpoints", "/ckpt"),
+        ("rl", CLAIM, "/checkpoints"),
+    ],
 )
 def test_checkpoint_volume_is_the_claim_the_workers_mount(
     name: str, claim: str, mount: str, rendered: dict[str, list[dict[str, Any]]]
@@ -308,7 +567,9 @@ def test_pod_is_non_root_on_a_read_only_root_with_writable_scratch(
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 10001
     assert spec["securityContext"]["fsGroup"] == 10001  # the checkpoint volume is writable
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
+    # Only the rl loop holds an API token: it lists the worker pods (see the RBAC test).
+    assert spec["automountServiceAccountToken"] is (name in RL_SETS)
+    assert spec["enableServiceLinks"] is False
     security = container_of(rendered[name])["securityContext"]
     assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"] == {"drop": ["ALL"]}
@@ -346,10 +607,10 @@ def test_job_name_changes_with_its_spec_only() -> None:
     def name(values: dict[str, Any], release: str = "bc") -> str:
         return job(render_chart(values, release))["metadata"]["name"]
 
-    base = trainer()
-    assert name(base) == name(trainer())  # an upgrade with the same values keeps the Job
+    base = grpo()
+    assert name(base) == name(grpo())  # an upgrade with the same values keeps the Job
     assert name({**base, "judge": {"enabled": True}, "config": {"logLevel": "DEBUG"}}) == name(base)
-    for changed in (trainer(learningRate=3e-6), trainer(tensorParallel=2), trainer(image={"tag": "0.2.0"})):
+    for changed in (grpo(learningRate=3e-6), grpo(gpu=True), grpo(image={"tag": "0.2.0"}), rl()):
         assert name(changed) != name(base)  # a changed Job is replaced, not patched (immutable)
     long = name(VALUE_SETS["gpu"], release="r" * 53)
     assert len(long) <= 63 and re.search(r"-trainer-[0-9a-f]{8}$", long)
@@ -362,24 +623,37 @@ def test_job_name_changes_with_its_spec_only() -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        (trainer(tensorParallel=3), "/trainer/tensorParallel"),
-        (trainer(tensorParallel=0), "/trainer/tensorParallel"),
-        (trainer(tensorParallel=16), "/trainer/tensorParallel"),
-        (trainer(tensorParallel="2"), "/trainer/tensorParallel"),
-        (trainer(records={"existingClaim": ""}), "at '/trainer/records/existingClaim': minLength"),
-        ({"trainer": {"enabled": True}}, "at '/trainer/records/existingClaim': minLength"),
-        (trainer(records={"existingClaim": "Bad_Claim"}), "/trainer/records/existingClaim"),
-        (trainer(records={"file": "episodes.jsonl"}), "/trainer/records/file"),
-        (trainer(gpu="yes"), "/trainer/gpu"),
-        (trainer(gpuResource="gpu"), "/trainer/gpuResource"),
-        (trainer(model="checkpoints/sft"), "/trainer/model"),
-        (trainer(out="/checkpoints/grpo/"), "/trainer/out"),
-        (trainer(learningRate=0), "/trainer/learningRate"),
-        (trainer(backoffLimit=-1), "/trainer/backoffLimit"),
-        (trainer(replicas=2), "additional properties 'replicas' not allowed"),
-        (trainer(extraEnv={"1BAD": "x"}), "invalid propertyName '1BAD'"),
-        (trainer(podSecurityContext={"runAsNonRoot": False}), "/trainer/podSecurityContext/runAsNonRoot"),
-        (trainer(securityContext={"runAsUser": 0}), "/trainer/securityContext/runAsUser"),
+        # Helm prints no schema description: this line is what a user sees for TP > 1 (values.yaml
+        # and the schema's description say why).
+        (grpo(tensorParallel=2), "at '/trainer/tensorParallel': maximum: got 2, want 1"),
+        (rl(tensorParallel=8), "at '/trainer/tensorParallel': maximum: got 8, want 1"),
+        (grpo(tensorParallel=3), "/trainer/tensorParallel"),
+        (grpo(tensorParallel=0), "/trainer/tensorParallel"),
+        (grpo(tensorParallel=16), "/trainer/tensorParallel"),
+        (grpo(tensorParallel="2"), "/trainer/tensorParallel"),
+        (grpo(records={"existingClaim": ""}), "at '/trainer/records/existingClaim': minLength"),
+        ({"trainer": {"enabled": True, "mode": "grpo"}}, "at '/trainer/records/existingClaim': minLength"),
+        (grpo(mode="sft"), "/trainer/mode"),
+        (rl({"gatewayUrl": "gateway:8003"}), "/trainer/rl/gatewayUrl"),
+        (rl({"groupSize": 1}), "/trainer/rl/groupSize"),
+        (rl({"maxPolicyLag": -1}), "/trainer/rl/maxPolicyLag"),
+        (rl({"metricsPort": 0}), "/trainer/rl/metricsPort"),
+        (rl({"reportTo": ["mlflow"]}), "/trainer/rl/reportTo"),
+        (rl({"wandbApiKeySecret": {"name": "wandb"}}), "/trainer/rl/wandbApiKeySecret"),
+        (rl({"questions": {"file": "train.jsonl"}}), "/trainer/rl/questions/file"),
+        (rl(rbac={"create": True, "verbs": ["*"]}), "additional properties 'verbs' not allowed"),
+        (grpo(records={"existingClaim": "Bad_Claim"}), "/trainer/records/existingClaim"),
+        (grpo(records={"file": "episodes.jsonl"}), "/trainer/records/file"),
+        (grpo(gpu="yes"), "/trainer/gpu"),
+        (grpo(gpuResource="gpu"), "/trainer/gpuResource"),
+        (grpo(model="checkpoints/sft"), "/trainer/model"),
+        (grpo(out="/checkpoints/grpo/"), "/trainer/out"),
+        (grpo(learningRate=0), "/trainer/learningRate"),
+        (grpo(backoffLimit=-1), "/trainer/backoffLimit"),
+        (grpo(replicas=2), "additional properties 'replicas' not allowed"),
+        (grpo(extraEnv={"1BAD": "x"}), "invalid propertyName '1BAD'"),
+        (grpo(podSecurityContext={"runAsNonRoot": False}), "/trainer/podSecurityContext/runAsNonRoot"),
+        (grpo(securityContext={"runAsUser": 0}), "/trainer/securityContext/runAsUser"),
     ],
 )
 def test_schema_rejects_bad_trainer_values(values: dict[str, Any], message: str) -> None:
@@ -394,28 +668,60 @@ def test_schema_rejects_bad_trainer_values(values: dict[str, Any], message: str)
             "enable the worker, whose PersistentVolumeClaim .* or set worker.checkpoints.existingClaim",
         ),
         (
-            trainer(model="/models/sft"),
+            grpo(model="/models/sft"),
             r"trainer.model \(/models/sft\) must lie under worker.checkpoints.mountPath",
         ),
         (
-            trainer(worker={"checkpoints": {"mountPath": "/ckpt"}, "model": {"path": "/ckpt/sft"}}),
+            grpo(worker={"checkpoints": {"mountPath": "/ckpt"}, "model": {"path": "/ckpt/sft"}}),
             r"trainer.model \(/checkpoints/qwen3-4b-worker-sft\) must lie under .*mountPath \(/ckpt\)",
         ),
         (
-            trainer(out="/checkpoints/qwen3-4b-worker-sft"),
+            grpo(out="/checkpoints/qwen3-4b-worker-sft"),
             "trainer.out .* must differ from trainer.model and trainer.ref",
         ),
         (
-            trainer(records={"file": "/elsewhere/r.jsonl"}),
+            grpo(records={"file": "/elsewhere/r.jsonl"}),
             r"trainer.records.file \(/elsewhere/r.jsonl\) must lie under",
         ),
         (
-            trainer(records={"mountPath": "/checkpoints/records", "file": "/checkpoints/records/r.jsonl"}),
+            grpo(records={"mountPath": "/checkpoints/records", "file": "/checkpoints/records/r.jsonl"}),
             "must not overlap",
         ),
-        (trainer(extraArgs=["--resume"]), "--resume is set by the chart"),
-        (trainer(extraArgs=["--lr=1e-5"]), "--lr is set by the chart"),
-        (trainer(extraArgs=["--out", "/checkpoints/x"]), "--out is set by the chart"),
+        (grpo(extraArgs=["--resume"]), "--resume is set by the chart"),
+        (grpo(extraArgs=["--lr=1e-5"]), "--lr is set by the chart"),
+        (grpo(extraArgs=["--out", "/checkpoints/x"]), "--out is set by the chart"),
+        ({**rl(), "worker": {"enabled": False, "checkpoints": {"existingClaim": "x"}}}, "enable the worker"),
+        ({**rl(), "coordinator": {"enabled": False}}, "enable the coordinator or set trainer.rl.gatewayUrl"),
+        ({**rl(), "judge": {"enabled": False}}, "enable the judge or set trainer.rl.judgeUrl"),
+        ({**rl(), "adminToken": {"create": False}}, "which need the admin token: set adminToken"),
+        (rl({"evalEvery": 5}), "evalEvery and trainer.rl.questions.evalFile go together"),
+        (
+            rl({"questions": {"evalFile": "/checkpoints/q/heldout.jsonl"}}),
+            "evalEvery and trainer.rl.questions.evalFile go together",
+        ),
+        (
+            rl({"questions": {"file": "/data/questions/q.jsonl"}}),
+            r"trainer.rl.questions.file \(/data/questions/q.jsonl\) must lie under worker.checkpoints",
+        ),
+        (
+            rl({"questions": {"existingClaim": "qs"}}),
+            r"trainer.rl.questions.file .* must lie under trainer.rl.questions.mountPath \(/data/questions\)",
+        ),
+        (
+            rl(
+                {
+                    "questions": {
+                        "existingClaim": "qs",
+                        "mountPath": "/checkpoints/q",
+                        "file": "/checkpoints/q/a",
+                    }
+                }
+            ),
+            "trainer.rl.questions.mountPath .* must not overlap",
+        ),
+        (rl(extraArgs=["--k8s-selector=app=x"]), "--k8s-selector is set by the chart"),
+        (rl(extraArgs=["--workers", "http://w:8002"]), "--workers is set by the chart"),
+        (rl(serviceAccount={"create": False}), "trainer.serviceAccount.name is required"),
     ],
 )
 def test_inconsistent_values_fail_the_render(values: dict[str, Any], message: str) -> None:
@@ -436,7 +742,7 @@ NULLABLE_TRAINER_KEYS = {
 
 def test_null_cannot_remove_a_required_trainer_default() -> None:
     paths = [path for path in default_paths(chart_defaults("trainer")) if path != "enabled"]
-    accepted, rejected = null_default_outcomes(paths, lambda block: trainer(**block))
+    accepted, rejected = null_default_outcomes(paths, lambda block: grpo(**block))
     assert set(accepted) == NULLABLE_TRAINER_KEYS
     assert {"tensorParallel", "gpu", "model", "ref", "out", "resume", "records.file", "shm.sizeLimit"} <= set(
         rejected
@@ -446,6 +752,7 @@ def test_null_cannot_remove_a_required_trainer_default() -> None:
 def test_values_yaml_defaults_install_on_a_cpu_cluster() -> None:
     defaults = chart_defaults("trainer")
     assert defaults["enabled"] is False and defaults["gpu"] is False and defaults["tensorParallel"] == 1
+    assert defaults["mode"] == "rl" and defaults["rl"]["questions"]["existingClaim"] == ""
     assert defaults["resume"] is True and defaults["records"]["existingClaim"] == ""
     assert defaults["learningRate"] is None and defaults["extraArgs"] == []
     source = (CHART_DIR / "values.yaml").read_text()
@@ -457,13 +764,25 @@ def test_values_yaml_defaults_install_on_a_cpu_cluster() -> None:
 def test_notes_describe_the_trainer(rendered: dict[str, list[dict[str, Any]]]) -> None:
     notes = render_notes(VALUE_SETS["gpu"])
     name = job(rendered["gpu"])["metadata"]["name"]
-    assert f"Trainer: Job {name}, GRPO under torchrun with tensor parallelism 4" in notes
-    assert "4 process(es) on 4 nvidia.com/gpu (NCCL)" in notes
+    assert f"Trainer: Job {name}, GRPO under torchrun with tensor parallelism 1" in notes
+    assert "1 process(es) on 1 nvidia.com/gpu (NCCL)" in notes
     assert f"Records: /data/in/episodes.jsonl on PersistentVolumeClaim {RECORDS_CLAIM}" in notes
     assert "PersistentVolumeClaim shared-checkpoints at /ckpt, shared with the workers" in notes
     assert f"kubectl logs -n default -f job/{name}" in notes
     assert "CPU process(es) (gloo" in render_notes(VALUE_SETS["defaults"])
     assert "Trainer:" not in render_notes()
+    rl_notes = render_notes(VALUE_SETS["rl"])
+    rl_name = job(rendered["rl"])["metadata"]["name"]
+    assert f"Trainer: Job {rl_name}, the RL loop (bcstack train rl)" in rl_notes
+    assert (
+        "gateway http://bc-bcstack-coordinator:8003, graded by the judge http://bc-bcstack-judge:8005"
+        in rl_notes
+    )
+    assert "listed as ServiceAccount bc-bcstack-trainer" in rl_notes
+    assert "Questions: /checkpoints/questions/questions.jsonl on the checkpoint volume" in rl_notes
+    assert "scraped by PodMonitor bc-bcstack-trainer" in rl_notes
+    external = render_notes(VALUE_SETS["rl-external"])
+    assert "Questions: /data/questions/train.jsonl on PersistentVolumeClaim question-sets" in external
 
 
 # --- docker/trainer.Dockerfile -------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """core.checkpoint: the serving-format check, torch-free, against transformers' own model.
 
-core/checkpoint.py computes a checkpoint's tensors from config.json by hand so that the worker
+core/model_layout.py computes a checkpoint's tensors from config.json by hand so that the worker
 sidecar verifies exports without torch or transformers. What a user relies on: that layout is
 exactly what transformers builds (names, order, shapes) for the tiny kit, Qwen3-4B (398 tensors
 tied, 399 untied) and every architecture the check knows, including the defaults of a config that

@@ -5,8 +5,9 @@ endpoint registry (runtime swaps), against real HTTP servers on loopback ports:
 - `ScriptedLLM`, a tiny OpenAI-compatible ASGI app that answers a scripted status sequence
   (e.g. 503, 503, 200) and records every request it receives, for exact sequences and counts.
 
-Both run under uvicorn in a thread; nothing in httpx is mocked. Waits are kept short (backoff
-0.01 s) except where a test measures that a Retry-After of 1 s is honoured.
+Both run under uvicorn in a thread; nothing in the HTTP clients is mocked. Every test runs once
+with each HTTP client the upstream client can use (httpx, aiohttp), which must behave alike. Waits
+are kept short (backoff 0.01 s) except where a test measures that a Retry-After of 1 s is honoured.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import uvicorn
 from conftest import LOOPBACK, find_free_port
 from fake_openai import Reply, ScriptedLLM, serving_uvicorn
 
+from core.kit import upstream
 from core.kit.apikeys import resolve_api_key
 from core.kit.breaker import CircuitBreaker
 from core.kit.http import uvicorn_server
@@ -61,6 +63,13 @@ def spec(base_url: str, name: str = "a", model: str = MODEL, **overrides: Any) -
 
 def dead_url() -> str:
     return f"http://{LOOPBACK}:{find_free_port()}/v1"
+
+
+@pytest.fixture(autouse=True, params=upstream.HTTP_CLIENTS)
+def http_client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The HTTP client every UpstreamClient of the test uses (the default the test runs under)."""
+    monkeypatch.setattr(upstream, "DEFAULT_HTTP_CLIENT", request.param)
+    return request.param
 
 
 # --- servers ------------------------------------------------------------------------------------
@@ -297,6 +306,18 @@ def test_dead_port_is_a_connection_error() -> None:
         run(chat_once(UpstreamClient(spec(dead_url()), None, attempts=2, **FAST)))
     assert caught.value.kind == "connection" and caught.value.retryable
     assert str(caught.value) == "coordinator endpoint 'a': connection refused after 2 attempts"
+
+
+def test_a_redirect_is_not_followed(scripted: Callable[..., ScriptedLLM], http_client: str) -> None:
+    elsewhere = "http://127.0.0.9:9/v1/chat/completions"
+    llm = scripted(Reply(307, headers={"Location": elsewhere}))
+    client = UpstreamClient(spec(llm.base_url), None, **FAST)
+    assert client.http_client == http_client
+    with pytest.raises(UpstreamError) as caught:
+        run(chat_once(client))
+    assert (caught.value.kind, caught.value.status, caught.value.attempts) == ("client_error", 307, 1)
+    assert f"redirected to {elsewhere}; set base_url to the final URL" in str(caught.value)
+    assert len(llm.chats) == 1
 
 
 def test_upstream_message_is_truncated_to_one_line(scripted: Callable[..., ScriptedLLM]) -> None:

@@ -12,14 +12,19 @@ import asyncio
 import json
 import os
 import shutil
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import uvicorn
+import yaml
 from conftest import find_free_port
 from fake_openai import serving_uvicorn
 from fastapi import FastAPI, Request
@@ -28,7 +33,9 @@ from typer.testing import CliRunner
 
 from core.checkpoint import SUMS_FILE, VerifyError, verify_checkpoint
 from devkit.modelkit.build import build_tiny_kit
+from services.worker import rolling
 from services.worker.reload_cli import app
+from services.worker.rolling import ReplicaDiscoveryError, k8s_worker_urls
 from services.worker.watch import CheckpointWatcher
 from trainer.export import export_checkpoint
 
@@ -220,65 +227,260 @@ def test_missing_token_is_bad_input(workers, exported: Path, monkeypatch) -> Non
     assert neither.exit_code == 2 and "exactly one of --workers" in neither.output
 
 
-def _fake_kubectl(folder: Path, pods: list[dict]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    listing = folder / "pods.json"
-    listing.write_text(json.dumps({"kind": "List", "items": pods}))
-    script = folder / "kubectl"
-    script.write_text(f'#!/bin/sh\necho "$@" > "{folder}/args.txt"\nexec cat "{listing}"\n')
-    script.chmod(0o755)
-    return folder
+# ----------------------------------------------------------------------------------------------
+# Finding the replicas through the Kubernetes API
 
 
-def test_k8s_selector_lists_pods_with_kubectl(exported: Path, tmp_path: Path, monkeypatch) -> None:
+class StandInApiServer:
+    """The Kubernetes API server for the one call discovery makes, `GET
+    /api/v1/namespaces/NS/pods?labelSelector=SEL`, on a loopback port: plain HTTP, or HTTPS with
+    `tls=(cert, key)`. `pods` holds pod objects by namespace; an equality selector (`k=v,k2=v2`, what
+    the chart's selector labels make) is matched as the API server matches it. `forbid` answers as
+    the API server does for a ServiceAccount without RBAC on pods. Every request is kept in
+    `requests` as (path, query, Authorization header)."""
+
+    def __init__(self, pods: dict[str, list[dict]], *, tls: tuple[Path, Path] | None = None) -> None:
+        self.pods, self.forbid = pods, False
+        self.requests: list[tuple[str, dict[str, list[str]], str | None]] = []
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                url = urlsplit(self.path)
+                query = parse_qs(url.query)
+                stand_in.requests.append((url.path, query, self.headers.get("Authorization")))
+                parts = url.path.strip("/").split("/")
+                if len(parts) != 5 or parts[:3] != ["api", "v1", "namespaces"] or parts[4] != "pods":
+                    return self._answer(404, _status(404, "NotFound", "the server could not find it"))
+                namespace = parts[3]
+                if stand_in.forbid:
+                    message = (
+                        'pods is forbidden: User "system:serviceaccount:research:trainer" cannot list '
+                        f'resource "pods" in API group "" in the namespace "{namespace}"'
+                    )
+                    return self._answer(403, _status(403, "Forbidden", message))
+                wanted = dict(
+                    term.split("=", 1) for term in query.get("labelSelector", [""])[0].split(",") if term
+                )
+                items = [
+                    pod
+                    for pod in stand_in.pods.get(namespace, [])
+                    if pod["metadata"].get("labels", {}).items() >= wanted.items()
+                ]
+                self._answer(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items})
+
+            def _answer(self, status: int, body: dict) -> None:
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> StandInApiServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _status(code: int, reason: str, message: str) -> dict:
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+
+
+def _pod(name: str, phase: str, ip: str | None = None, component: str = "worker") -> dict:
+    labels = {"app.kubernetes.io/instance": "bc", "app.kubernetes.io/component": component}
+    status: dict = {"phase": phase}
+    if ip is not None:
+        status |= {"podIP": ip, "podIPs": [{"ip": ip}]}
+    return {
+        "metadata": {"name": name, "namespace": "research", "labels": labels},
+        "spec": {"containers": [{"name": "worker", "image": "ghcr.io/browsecomp-stack/bcstack:0.1.0"}]},
+        "status": status,
+    }
+
+
+SELECTOR = "app.kubernetes.io/instance=bc,app.kubernetes.io/component=worker"
+PODS = {
+    "research": [
+        _pod("bc-worker-b", "Running", "10.1.0.2"),
+        _pod("bc-worker-a", "Running", "10.1.0.1"),
+        _pod("bc-worker-c", "Pending"),  # not scheduled yet: no IP
+        _pod("bc-worker-d", "Succeeded", "10.1.0.4"),
+        _pod("bc-worker-e", "Running", "fd00::5"),
+        _pod("bc-judge-0", "Running", "10.1.0.9", component="judge"),  # another component
+    ],
+}
+
+
+def _kubeconfig(path: Path, server: str, namespace: str | None = "research") -> Path:
+    context = {"cluster": "stand-in", "user": "tester", **({"namespace": namespace} if namespace else {})}
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "stand-in", "cluster": {"server": server}}],
+                "users": [{"name": "tester", "user": {"token": "kubeconfig-token"}}],
+                "contexts": [{"name": "stand-in", "context": context}],
+                "current-context": "stand-in",
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture
+def outside_the_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+
+def test_k8s_discovery_lists_running_pods_by_name(outside_the_cluster, tmp_path: Path, monkeypatch) -> None:
+    with StandInApiServer(PODS) as api:
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path / "config", api.url)))
+        urls = k8s_worker_urls(SELECTOR, port=8002)
+    # Running with an IP only, ordered by pod name; an IPv6 address in brackets.
+    assert urls == ["http://10.1.0.1:8002", "http://10.1.0.2:8002", "http://[fd00::5]:8002"]
+    # The kubeconfig context's namespace and the token it names.
+    assert api.requests == [
+        ("/api/v1/namespaces/research/pods", {"labelSelector": [SELECTOR]}, "Bearer kubeconfig-token")
+    ]
+
+
+def test_k8s_discovery_namespace_given_or_default(outside_the_cluster, tmp_path: Path, monkeypatch) -> None:
+    pods = {"default": [_pod("w-0", "Running", "10.2.0.1")], "other": [_pod("w-1", "Running", "10.3.0.1")]}
+    with StandInApiServer(pods) as api:
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path / "config", api.url, namespace=None)))
+        assert k8s_worker_urls(SELECTOR, port=9) == ["http://10.2.0.1:9"]  # no namespace in the context
+        assert k8s_worker_urls(SELECTOR, port=9, namespace="other") == ["http://10.3.0.1:9"]
+    assert [path for path, _, _ in api.requests] == [
+        "/api/v1/namespaces/default/pods",
+        "/api/v1/namespaces/other/pods",
+    ]
+
+
+def test_k8s_discovery_without_rbac_names_what_is_missing(
+    outside_the_cluster, tmp_path: Path, monkeypatch
+) -> None:
+    with StandInApiServer(PODS) as api:
+        api.forbid = True
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path / "config", api.url)))
+        with pytest.raises(ReplicaDiscoveryError) as refused:
+            k8s_worker_urls(SELECTOR, port=8002)
+    message = str(refused.value)
+    assert "list pods in namespace research" in message
+    assert "403" in message and 'cannot list resource "pods"' in message  # the API server's own reason
+
+
+def test_k8s_discovery_errors(outside_the_cluster, tmp_path: Path, monkeypatch) -> None:
+    with StandInApiServer(PODS) as api:
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path / "config", api.url)))
+        with pytest.raises(ReplicaDiscoveryError, match="no running pod with an IP matches -l app=none"):
+            k8s_worker_urls("app=none", port=8002)
+        with pytest.raises(ReplicaDiscoveryError, match="in namespace empty$"):
+            k8s_worker_urls(SELECTOR, port=8002, namespace="empty")
+    # The API server gone.
+    with pytest.raises(ReplicaDiscoveryError, match=f"the Kubernetes API at {api.url} did not answer"):
+        k8s_worker_urls(SELECTOR, port=8002, timeout=5)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    with pytest.raises(ReplicaDiscoveryError, match="no Kubernetes API credentials"):
+        k8s_worker_urls(SELECTOR, port=8002)
+
+
+def test_k8s_discovery_in_a_pod_uses_its_service_account(tmp_path: Path, monkeypatch) -> None:
+    """In the cluster: the API over HTTPS at KUBERNETES_SERVICE_HOST/PORT, trusted by the mounted CA,
+    as the mounted token, in the pod's own namespace; no kubeconfig."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=apiserver",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text("pod-token")
+    (account / "namespace").write_text("research")
+    shutil.copy(cert, account / "ca.crt")
+    monkeypatch.setattr(rolling, "SERVICE_ACCOUNT_DIR", account)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))  # never read in a pod
+    with StandInApiServer(PODS, tls=(cert, key)) as api:
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(api.port))
+        urls = k8s_worker_urls(SELECTOR, port=8002)
+    assert urls == ["http://10.1.0.1:8002", "http://10.1.0.2:8002", "http://[fd00::5]:8002"]
+    ((path, _query, authorization),) = api.requests
+    assert path == "/api/v1/namespaces/research/pods"
+    assert authorization is not None and authorization.lower() == "bearer pod-token"
+
+
+def test_reload_with_k8s_selector_rolls_the_listed_pods(
+    outside_the_cluster, exported: Path, tmp_path: Path, monkeypatch
+) -> None:
     port = find_free_port()
     log: list[tuple] = []
     fakes = [FakeWorker("a", log, swap_delay=0.0), FakeWorker("b", log, swap_delay=0.0)]
-    pods = [
-        {"metadata": {"name": "worker-b"}, "status": {"phase": "Running", "podIP": "127.0.0.2"}},
-        {"metadata": {"name": "worker-a"}, "status": {"phase": "Running", "podIP": "127.0.0.1"}},
-        {"metadata": {"name": "worker-c"}, "status": {"phase": "Pending"}},
-    ]
-    bin_dir = _fake_kubectl(tmp_path / "bin", pods)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    pods = {
+        "research": [
+            _pod("worker-b", "Running", "127.0.0.2"),
+            _pod("worker-a", "Running", "127.0.0.1"),
+            _pod("worker-c", "Pending"),
+        ]
+    }
     monkeypatch.setenv("BCSTACK_ADMIN_TOKEN", TOKEN)
-    with ExitStack() as stack:
+    with StandInApiServer(pods) as api, ExitStack() as stack:
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path / "config", api.url, namespace=None)))
         for fake, host in zip(fakes, ("127.0.0.1", "127.0.0.2"), strict=True):
             config = uvicorn.Config(fake.app, host=host, port=port, lifespan="off", log_level="warning")
             stack.enter_context(serving_uvicorn(uvicorn.Server(config)))
-        result = runner.invoke(
-            app,
-            [
-                "reload",
-                "--checkpoint",
-                str(exported),
-                "--k8s-selector",
-                "app=bcstack-worker",
-                "--port",
-                str(port),
-            ],
-        )
-    assert result.exit_code == 0, result.output
-    assert (bin_dir / "args.txt").read_text().split() == [
-        "get",
-        "pods",
-        "-l",
-        "app=bcstack-worker",
-        "-o",
-        "json",
-    ]
+        args = ["reload", "--checkpoint", str(exported), "--k8s-selector", SELECTOR, "--port", str(port)]
+        result = runner.invoke(app, [*args, "-n", "research"])
+        assert result.exit_code == 0, result.output
+        api.forbid = True
+        refused = runner.invoke(app, [*args, "-n", "research"])
     assert [entry[1] for entry in log if entry[0] == "post"] == ["a", "b"]  # by pod name; Pending skipped
     assert [fake.version for fake in fakes] == ["step-100", "step-100"]
-
-
-def test_k8s_selector_without_kubectl_is_bad_input(exported: Path, tmp_path: Path, monkeypatch) -> None:
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    monkeypatch.setenv("BCSTACK_ADMIN_TOKEN", TOKEN)
-    result = runner.invoke(app, ["reload", "--checkpoint", str(exported), "--k8s-selector", "app=w"])
-    assert result.exit_code == 2
-    assert "'kubectl' not found on PATH" in result.output
+    assert refused.exit_code == 2  # bad input, before any replica is touched
+    assert "list pods in namespace research" in _flat(refused.output)
+    assert len(fakes[0].posts) == 1
 
 
 # ----------------------------------------------------------------------------------------------

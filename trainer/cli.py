@@ -214,6 +214,12 @@ def grpo(
     with AdamW, logs each step to stdout and OUT/metrics.jsonl, checkpoints to OUT/checkpoints and
     exports the final policy to OUT/serving. Bad input is one `error:` line (exit 2).
     """
+    from trainer.parallel import MultiRankError, refuse_multi_rank
+
+    try:
+        refuse_multi_rank("bcstack train grpo")  # before loading anything: torchrun may have started N
+    except MultiRankError as error:
+        fail(str(error))
     from core.checkpoint import VerifyError
     from trainer.checkpoint import CheckpointError
     from trainer.data import SampleError

@@ -71,7 +71,9 @@ class Sample:
 
 
 @dataclass
-class _RecordResult:
+class RecordSamples:
+    """What one record gives the trainer: samples, rejected trajectories, and counts."""
+
     samples: list[Sample]
     errors: list[SampleError]
     trajectories: int = 0
@@ -79,12 +81,13 @@ class _RecordResult:
     dropped_mixed: int = 0
 
 
-def _read_record(
+def read_record(
     data: Mapping[str, Any] | EpisodeRecord,
     reward: float | None,
     contributions: Mapping[str, float] | None,
     mixed_versions: str,
-) -> _RecordResult:
+) -> RecordSamples:
+    """A record's samples and rejections (see `samples_from_record` for rewards and contributions)."""
     if mixed_versions not in MIXED_VERSION_POLICIES:
         raise ValueError(
             f"mixed_versions must be one of {', '.join(MIXED_VERSION_POLICIES)}, got {mixed_versions!r}"
@@ -104,7 +107,7 @@ def _read_record(
     group_id = record.group_id or question_id
     if reward is None and record.grades is not None:
         reward = record.grades.reward
-    result = _RecordResult(samples=[], errors=[])
+    result = RecordSamples(samples=[], errors=[])
     for index, worker in enumerate(record.workers):
         worker_id = worker.episode_id or f"#{index}"
         where = f"episode {episode_id or '?'}, worker {worker_id}"
@@ -168,7 +171,7 @@ def samples_from_record(
     hot reload mid-episode): "keep" them, "drop" them, or "error" (reject them like invalid data).
     Raises SampleError for the first trajectory that is rejected.
     """
-    result = _read_record(record, reward, contributions, mixed_versions)
+    result = read_record(record, reward, contributions, mixed_versions)
     if result.errors:
         raise result.errors[0]
     return result.samples
@@ -242,7 +245,7 @@ def load_samples(
     samples: list[Sample] = []
     for origin, record in read_records(path):
         episode_reward = rewards.get(str(record.get("episode_id"))) if rewards is not None else None
-        result = _read_record(record, episode_reward, contributions, mixed_versions)
+        result = read_record(record, episode_reward, contributions, mixed_versions)
         if result.errors and strict:
             raise SampleError(f"{origin}: {result.errors[0]}")
         counts["records"] += 1

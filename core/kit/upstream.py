@@ -21,6 +21,13 @@ health and do not count.
 
 The API key is sent only in the Authorization header: it is registered with the log redaction
 filter, scrubbed from upstream error messages, and never part of a repr or an exception.
+
+HTTP goes through one of two clients (`http_client`), with the same timeouts, errors and answers:
+`httpx` (the default here) or `aiohttp` (the coordinator gateway's default,
+`upstream_http_client`). Under hundreds of concurrent calls httpx spends most of its time in
+its connection pool's bookkeeping, which scans every pooled connection on each request and
+response; aiohttp's pool does not, and used a fraction of the gateway's CPU per coordinator turn
+(bench/gateway.py, bench/README.md).
 """
 
 from __future__ import annotations
@@ -33,13 +40,15 @@ import math
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import aiohttp
 import httpx
+import yarl
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_random_exponential
@@ -101,6 +110,15 @@ RETRIED_KINDS = frozenset({"rate_limited", "server_error", "timeout", "connectio
 
 MESSAGE_LIMIT = 300  # characters of an upstream error message kept in ours
 PROBE_TIMEOUT_SECONDS = 10.0
+
+HttpClientName = Literal["httpx", "aiohttp"]
+HTTP_CLIENTS: tuple[str, ...] = ("httpx", "aiohttp")
+DEFAULT_HTTP_CLIENT: HttpClientName = "httpx"
+# Many episodes share one endpoint: up to 1,000 connections (the official openai client's cap),
+# all kept alive. With the openai client's 100 kept alive, 512 concurrent episodes opened and
+# closed a TCP connection for most calls (bench/gateway.py).
+MAX_CONNECTIONS = 1000
+KEEPALIVE_SECONDS = 5.0  # httpx's default; below the usual server keep-alive, so no reuse races it
 
 
 class UpstreamError(Exception):
@@ -165,6 +183,121 @@ class ChatResult:
     seconds: float  # wall time of the whole call, retry waits included
 
 
+@dataclass(frozen=True)
+class HttpAnswer:
+    """One upstream HTTP answer, read whole; the same shape from either HTTP client."""
+
+    status_code: int
+    reason_phrase: str
+    headers: Mapping[str, str]  # case-insensitive lookups (httpx.Headers, multidict)
+    content: bytes
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+class _NoAnswer(Exception):
+    """No HTTP answer: `kind` "timeout" (`detail` says which) or "connection" (`cause` says why)."""
+
+    def __init__(
+        self, kind: str, detail: str = "", cause: BaseException | None = None, protocol: bool = False
+    ) -> None:
+        super().__init__(detail)
+        self.kind, self.detail, self.cause, self.protocol = kind, detail, cause, protocol
+
+
+class _HttpxTransport:
+    def __init__(self, base_url: str, transport: httpx.AsyncBaseTransport | None) -> None:
+        limits = httpx.Limits(
+            max_connections=MAX_CONNECTIONS,
+            max_keepalive_connections=MAX_CONNECTIONS,
+            keepalive_expiry=KEEPALIVE_SECONDS,
+        )
+        self._client = httpx.AsyncClient(base_url=base_url + "/", transport=transport, limits=limits)
+
+    async def send(
+        self, method: str, path: str, headers: dict[str, str], body: bytes | None, connect: float, read: float
+    ) -> HttpAnswer:
+        timeout = httpx.Timeout(read, connect=connect, pool=read)
+        try:
+            r = await self._client.request(method, path, headers=headers, content=body, timeout=timeout)
+        except httpx.ConnectTimeout:
+            raise _NoAnswer("timeout", f"no connection within {connect:g} s") from None
+        except httpx.TimeoutException:
+            raise _NoAnswer("timeout", f"no answer within {read:g} s") from None
+        except httpx.RequestError as exc:
+            raise _NoAnswer(
+                "connection", cause=exc, protocol=isinstance(exc, httpx.RemoteProtocolError)
+            ) from exc
+        return HttpAnswer(r.status_code, r.reason_phrase, r.headers, r.content)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class _AiohttpTransport:
+    """aiohttp with httpx's behaviour: no redirects followed, cookies kept, proxies from the
+    environment (read once, as httpx does). The session belongs to an event loop, so it is made
+    on the first request, in the loop that makes it."""
+
+    def __init__(self, base_url: str) -> None:
+        self._base = base_url + "/"
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        try:
+            proxy, proxy_auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(self._base))
+        except LookupError:
+            proxy, proxy_auth = None, None
+        connector = aiohttp.TCPConnector(
+            limit=MAX_CONNECTIONS, limit_per_host=0, keepalive_timeout=KEEPALIVE_SECONDS
+        )
+        return aiohttp.ClientSession(
+            self._base,
+            connector=connector,
+            cookie_jar=aiohttp.CookieJar(unsafe=True),
+            proxy=proxy,
+            proxy_auth=proxy_auth,
+        )
+
+    async def send(
+        self, method: str, path: str, headers: dict[str, str], body: bytes | None, connect: float, read: float
+    ) -> HttpAnswer:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session, self._loop = self._open(), loop
+        timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=read)
+        try:
+            async with self._session.request(
+                method, path, headers=headers, data=body, timeout=timeout, allow_redirects=False
+            ) as r:
+                return HttpAnswer(r.status, r.reason or "", r.headers, await r.read())
+        except aiohttp.ConnectionTimeoutError:
+            raise _NoAnswer("timeout", f"no connection within {connect:g} s") from None
+        except aiohttp.ServerTimeoutError:
+            raise _NoAnswer("timeout", f"no answer within {read:g} s") from None
+        except aiohttp.ClientError as exc:
+            protocol = isinstance(
+                exc,
+                aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientResponseError,
+            )
+            raise _NoAnswer("connection", cause=exc, protocol=protocol) from exc
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 class UpstreamClient:
     """Chat completions against one endpoint (`spec`), with retries and the endpoint's breaker."""
 
@@ -181,9 +314,16 @@ class UpstreamClient:
         on_attempt: Callable[[str, float], None] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         role: str = "coordinator",
+        http_client: HttpClientName | None = None,
     ) -> None:
+        """`http_client`: "httpx" or "aiohttp" (None: DEFAULT_HTTP_CLIENT); `transport` is httpx's."""
         if attempts < 1:
             raise ValueError(f"attempts must be at least 1, got {attempts}")
+        http_client = http_client or DEFAULT_HTTP_CLIENT
+        if http_client not in HTTP_CLIENTS:
+            raise ValueError(f"http_client must be one of {', '.join(HTTP_CLIENTS)}, got {http_client!r}")
+        if transport is not None and http_client != "httpx":
+            raise ValueError("a transport is an httpx transport: it needs http_client='httpx'")
         self.spec = spec
         self.role = role  # what the endpoint is to us, for messages: "coordinator", "grader"
         self.breaker = breaker if breaker is not None else CircuitBreaker(5, 30.0)
@@ -197,22 +337,17 @@ class UpstreamClient:
         self._headers = {"Accept": "application/json", "User-Agent": f"bcstack-{role}"}
         if self._api_key:
             self._headers["Authorization"] = f"Bearer {self._api_key}"
-        self._timeout = httpx.Timeout(
-            spec.timeout_seconds, connect=spec.connect_timeout_seconds, pool=spec.timeout_seconds
-        )
-        # One chat completion at most timeout_seconds once connected: httpx's read timeout is per
-        # chunk, so a server trickling bytes would otherwise hold an episode forever.
+        self._json_headers = {**self._headers, "Content-Type": "application/json"}
+        # One chat completion at most timeout_seconds once connected: a read timeout is per chunk,
+        # so a server trickling bytes would otherwise hold an episode forever.
         self._overall_seconds = spec.connect_timeout_seconds + spec.timeout_seconds
         self._jitter = wait_random_exponential(multiplier=backoff_seconds, max=backoff_max_seconds)
         self._last_failure: str | None = None
-        # Many episodes share one endpoint: up to 1,000 connections (the official openai client's
-        # cap), all kept alive. With the openai client's 100 kept alive, 512 concurrent episodes
-        # opened and closed a TCP connection for most calls (bench/gateway.py).
-        self._http = httpx.AsyncClient(
-            base_url=spec.base_url + "/",
-            transport=transport,
-            timeout=self._timeout,
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000),
+        self.http_client = http_client
+        self._http = (
+            _HttpxTransport(spec.base_url, transport)
+            if http_client == "httpx"
+            else _AiohttpTransport(spec.base_url)
         )
 
     def __repr__(self) -> str:
@@ -300,7 +435,7 @@ class UpstreamClient:
         started = time.perf_counter()
         try:
             try:
-                response = await self._request("POST", "chat/completions", json=body)
+                response = await self._request("POST", "chat/completions", body=body)
                 answer = self._parse_chat(response)
             except UpstreamError as exc:
                 self._attempted(exc.kind, started)
@@ -321,7 +456,7 @@ class UpstreamClient:
         if self._on_attempt is not None:
             self._on_attempt(outcome, time.perf_counter() - started)
 
-    def _parse_chat(self, response: httpx.Response) -> tuple[str, int, int, str]:
+    def _parse_chat(self, response: HttpAnswer) -> tuple[str, int, int, str]:
         if not response.is_success:
             raise self._status_error(response)
         try:
@@ -361,8 +496,7 @@ class UpstreamClient:
         """
         seconds = min(PROBE_TIMEOUT_SECONDS, self.spec.timeout_seconds)
         connect = min(self.spec.connect_timeout_seconds, seconds)
-        timeout = httpx.Timeout(seconds, connect=connect)
-        response = await self._request("GET", "models", timeout=timeout, overall=connect + seconds)
+        response = await self._request("GET", "models", connect=connect, read=seconds)
         if not response.is_success:
             raise self._status_error(response)
         try:
@@ -394,30 +528,35 @@ class UpstreamClient:
         method: str,
         path: str,
         *,
-        timeout: httpx.Timeout | None = None,
-        overall: float | None = None,
-        **kw: Any,
-    ) -> httpx.Response:
-        timeout = timeout or self._timeout
+        body: dict[str, Any] | None = None,
+        connect: float | None = None,
+        read: float | None = None,
+    ) -> HttpAnswer:
+        """One HTTP exchange: connect and read timeouts (the spec's by default), and the whole
+        answer within their sum."""
+        connect = connect if connect is not None else self.spec.connect_timeout_seconds
+        read = read if read is not None else self.spec.timeout_seconds
+        content = (
+            None if body is None else json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        )
+        headers = self._headers if body is None else self._json_headers
         try:
-            async with asyncio.timeout(overall or self._overall_seconds):
-                return await self._http.request(method, path, headers=self._headers, timeout=timeout, **kw)
-        except httpx.TimeoutException as exc:
-            if isinstance(exc, httpx.ConnectTimeout):
-                detail = f"no connection within {timeout.connect:g} s"
-            else:
-                detail = f"no answer within {timeout.read:g} s"
-            raise UpstreamError("timeout", self.spec.name, "timeout", detail, role=self.role) from None
-        except TimeoutError:
-            detail = f"no complete answer within {overall or self._overall_seconds:g} s"
-            raise UpstreamError("timeout", self.spec.name, "timeout", detail, role=self.role) from None
-        except httpx.RequestError as exc:
-            head, detail = _connection_reason(exc, self.spec.base_url)
+            async with asyncio.timeout(connect + read):
+                return await self._http.send(method, path, headers, content, connect, read)
+        except _NoAnswer as exc:
+            if exc.kind == "timeout":
+                raise UpstreamError(
+                    "timeout", self.spec.name, "timeout", exc.detail, role=self.role
+                ) from None
+            head, detail = _connection_reason(exc.cause, self.spec.base_url, exc.protocol)
             raise UpstreamError(
                 "connection", self.spec.name, head, self._short(detail) if detail else None, role=self.role
-            ) from exc
+            ) from exc.cause
+        except TimeoutError:
+            detail = f"no complete answer within {connect + read:g} s"
+            raise UpstreamError("timeout", self.spec.name, "timeout", detail, role=self.role) from None
 
-    def _status_error(self, response: httpx.Response) -> UpstreamError:
+    def _status_error(self, response: HttpAnswer) -> UpstreamError:
         status = response.status_code
         message = self._short(_error_message_of(response))
         if status == 429:
@@ -445,7 +584,7 @@ class UpstreamClient:
     def _bad(self, detail: str) -> UpstreamError:
         return UpstreamError("bad_response", self.spec.name, "bad response", detail, role=self.role)
 
-    def _text(self, response: httpx.Response) -> str:
+    def _text(self, response: HttpAnswer) -> str:
         return self._short(response.text) or "(empty)"
 
     def _short(self, text: str) -> str:
@@ -486,7 +625,7 @@ def _error_message(data: Any) -> str:
     return ""
 
 
-def _error_message_of(response: httpx.Response) -> str:
+def _error_message_of(response: HttpAnswer) -> str:
     try:
         data = response.json()
     except ValueError:
@@ -514,7 +653,7 @@ def _retry_after_seconds(value: str | None) -> float | None:
     return max(0.0, seconds)
 
 
-def _connection_reason(exc: httpx.RequestError, base_url: str) -> tuple[str, str | None]:
+def _connection_reason(exc: BaseException | None, base_url: str, protocol: bool) -> tuple[str, str | None]:
     """(head, detail) of a transport error: the root cause in a few words."""
     cause: BaseException | None = exc
     seen = 0
@@ -528,6 +667,6 @@ def _connection_reason(exc: httpx.RequestError, base_url: str) -> tuple[str, str
             return "connection failed", f"cannot resolve host {host!r}"
         cause = cause.__cause__ or cause.__context__
         seen += 1
-    if isinstance(exc, httpx.RemoteProtocolError):
+    if protocol:
         return "connection failed", f"protocol error: {_one_line(str(exc)) or type(exc).__name__}"
     return "connection failed", _one_line(str(exc)) or type(exc).__name__

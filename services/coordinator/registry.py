@@ -21,7 +21,7 @@ import httpx
 
 from core.kit.apikeys import read_api_key
 from core.kit.breaker import CircuitBreaker
-from core.kit.upstream import EndpointSpec, UpstreamClient, UpstreamError
+from core.kit.upstream import EndpointSpec, HttpClientName, UpstreamClient, UpstreamError
 
 log = logging.getLogger("bcstack.coordinator")
 
@@ -94,6 +94,7 @@ class EndpointRegistry:
         on_attempt: Callable[[str, str, float], None] | None = None,
         on_breaker: Callable[[str, str], None] | None = None,
         transport_factory: Callable[[EndpointSpec], httpx.AsyncBaseTransport | None] | None = None,
+        http_client: HttpClientName | None = None,
     ) -> None:
         if not specs:
             raise RegistryError("no coordinator endpoint configured: set coordinator_url or endpoints")
@@ -112,6 +113,7 @@ class EndpointRegistry:
         self._on_attempt = on_attempt
         self._on_breaker = on_breaker
         self._transport_factory = transport_factory
+        self._http_client = http_client
         self._endpoints: dict[str, Endpoint] = {}
         for spec in specs:
             try:
@@ -262,6 +264,7 @@ class EndpointRegistry:
             if on_attempt is not None
             else None,
             transport=self._transport_factory(spec) if self._transport_factory is not None else None,
+            http_client=self._http_client,
         )
         return Endpoint(spec, client, source)
 

@@ -260,6 +260,7 @@ def build(settings: CoordinatorSettings) -> tuple[FastAPI, GrpcServer | None, Ga
         on_retry=lambda name, kind: metrics.retries.labels(name, kind).inc(),
         on_attempt=metrics.attempt,
         on_breaker=metrics.breaker_changed,
+        http_client=settings.upstream_http_client,
     )
     metrics.active_endpoint.info({"name": endpoints.view()["active"]})
     pool = WorkerPool(

@@ -18,7 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from core.kit.settings import ServiceSettings
-from core.kit.upstream import EndpointSpec
+from core.kit.upstream import EndpointSpec, HttpClientName
 
 
 class CoordinatorSettings(ServiceSettings):
@@ -42,6 +42,11 @@ class CoordinatorSettings(ServiceSettings):
     )
     coordinator_api_key_env: str | None = Field(
         None, description="shorthand: env var holding the 'default' endpoint's API key"
+    )
+    upstream_http_client: HttpClientName = Field(
+        "aiohttp",
+        description="HTTP client of the coordinator LLM calls: aiohttp, or httpx (about 4x the "
+        "gateway's CPU per turn at 512 concurrent episodes: bench/gateway.py)",
     )
     probe_on_start: bool = Field(
         False, description="probe the active endpoint at start and refuse to start when it is dead"

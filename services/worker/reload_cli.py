@@ -66,10 +66,17 @@ def reload(
         None, "--workers", help="Worker base URLs, comma separated, reloaded in order."
     ),
     k8s_selector: str = typer.Option(
-        None, "--k8s-selector", help="Kubernetes label selector of the worker pods (uses kubectl)."
+        None,
+        "--k8s-selector",
+        help="Kubernetes label selector of the worker pods, listed through the Kubernetes API (in a pod "
+        "as its ServiceAccount, elsewhere with KUBECONFIG or ~/.kube/config).",
     ),
     namespace: str = typer.Option(
-        None, "--namespace", "-n", help="Kubernetes namespace (with --k8s-selector)."
+        None,
+        "--namespace",
+        "-n",
+        help="Kubernetes namespace (with --k8s-selector; default: the pod's own in the cluster, else the "
+        "kubeconfig context's).",
     ),
     port: int = typer.Option(8002, "--port", help="Worker HTTP port (with --k8s-selector)."),
     weight_version: str = typer.Option(

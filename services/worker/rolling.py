@@ -3,30 +3,32 @@
 One replica at a time: `POST /admin/reload` on it, then poll `GET /admin/reload` until it reports the
 new `weight_version`, and only then go on to the next; the first failure stops the roll so at most
 one replica is ever in a bad state and the rest keep serving the old weights. Verifying the
-checkpoint locally and finding the replicas (a URL list or a Kubernetes label selector) are separate
-functions so the CLI stays thin.
+checkpoint locally and finding the replicas (a URL list, or a label selector asked of the Kubernetes
+API) are separate functions so the CLI stays thin.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
 ADMIN_RELOAD_PATH = "/admin/reload"
+# Where Kubernetes mounts a pod's ServiceAccount: its token, the cluster CA and its namespace.
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 ReplicaState = Literal["reloaded", "failed", "skipped"]
 ProgressStage = Literal["reloading", "waiting", "reloaded", "failed", "skipped"]
 
 
 class ReplicaDiscoveryError(RuntimeError):
-    """The replicas could not be listed (kubectl missing or failing, no pods)."""
+    """The replicas could not be listed (no API credentials, the API refused or is down, no pods)."""
 
 
 @dataclass
@@ -180,42 +182,85 @@ def parse_worker_urls(text: str) -> list[str]:
 
 
 def k8s_worker_urls(
-    selector: str, *, port: int, namespace: str | None = None, kubectl: str = "kubectl", timeout: float = 30.0
+    selector: str, *, port: int, namespace: str | None = None, timeout: float = 30.0
 ) -> list[str]:
-    """The running pods matching `selector` as `http://IP:port`, ordered by pod name
-    (`kubectl get pods -l SELECTOR -o json`). ReplicaDiscoveryError when kubectl is missing or fails,
-    or no running pod has an IP."""
-    executable = shutil.which(kubectl)
-    if executable is None:
-        raise ReplicaDiscoveryError(
-            f"{kubectl!r} not found on PATH; install kubectl or pass --workers URL,..."
-        )
-    command = [executable, "get", "pods", "-l", selector, "-o", "json"]
-    if namespace:
-        command += ["-n", namespace]
+    """The running pods matching the label `selector` as `http://IP:port`, ordered by pod name, from
+    the Kubernetes API (`list pods`, the official client). Inside a pod (KUBERNETES_SERVICE_HOST set)
+    it authenticates as the pod's ServiceAccount, elsewhere with the kubeconfig (KUBECONFIG or
+    ~/.kube/config). `namespace` None: the pod's own namespace in the cluster, else the kubeconfig
+    context's, else "default". ReplicaDiscoveryError when there are no credentials, the API refuses
+    or cannot be reached, or no running pod has an IP."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    configuration, default_namespace = _client_configuration()
+    namespace = namespace or default_namespace
+    where = f"-l {selector} in namespace {namespace}"
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
+        with client.ApiClient(configuration) as api:
+            listing = client.CoreV1Api(api).list_namespaced_pod(
+                namespace, label_selector=selector, _request_timeout=timeout
+            )
+    except ApiException as e:
+        if e.status == 403:
+            raise ReplicaDiscoveryError(
+                f"the Kubernetes API refused to list pods {where} (403 Forbidden: {_api_message(e)}); "
+                f"grant RBAC to list pods in namespace {namespace} (a Role allowing get/list/watch on "
+                "pods, bound to this ServiceAccount or user) or pass --workers URL,..."
+            ) from None
         raise ReplicaDiscoveryError(
-            f"kubectl get pods -l {selector} did not answer within {timeout:g} s"
+            f"listing pods {where} failed: HTTP {e.status} {e.reason}: {_api_message(e)}"
         ) from None
-    if done.returncode != 0:
+    except HTTPError as e:  # urllib3's: refused, timed out, TLS
         raise ReplicaDiscoveryError(
-            f"kubectl get pods -l {selector} failed: {done.stderr.strip() or done.returncode}"
-        )
-    try:
-        items = json.loads(done.stdout).get("items", [])
-    except (ValueError, AttributeError):
-        raise ReplicaDiscoveryError("kubectl get pods printed something that is not a pod list") from None
-    pods = []
-    for item in items:
-        status = item.get("status") or {}
-        ip = status.get("podIP")
-        if ip and status.get("phase") == "Running":
-            pods.append(((item.get("metadata") or {}).get("name", ""), ip))
+            f"the Kubernetes API at {configuration.host} did not answer listing pods {where}: {e}"
+        ) from None
+    pods = [
+        (pod.metadata.name, pod.status.pod_ip)
+        for pod in listing.items
+        if pod.status is not None and pod.status.pod_ip and pod.status.phase == "Running"
+    ]
     if not pods:
-        raise ReplicaDiscoveryError(f"no running pod with an IP matches -l {selector}")
+        raise ReplicaDiscoveryError(f"no running pod with an IP matches {where}")
     return [f"http://{_bracket(ip)}:{port}" for _name, ip in sorted(pods)]
+
+
+def _client_configuration() -> tuple[Any, str]:
+    """(a kubernetes client Configuration, the namespace to use when none is given)."""
+    from kubernetes import client, config
+    from kubernetes.config.incluster_config import InClusterConfigLoader
+
+    configuration = client.Configuration()
+    try:
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            # load_incluster_config() with the files named from one folder, the namespace's too.
+            InClusterConfigLoader(
+                token_filename=str(SERVICE_ACCOUNT_DIR / "token"),
+                cert_filename=str(SERVICE_ACCOUNT_DIR / "ca.crt"),
+            ).load_and_set(configuration)
+            namespace_file = SERVICE_ACCOUNT_DIR / "namespace"
+            namespace = namespace_file.read_text().strip() if namespace_file.is_file() else ""
+        else:
+            # KUBECONFIG read now, not when the kubernetes package was first imported.
+            kubeconfig = os.environ.get("KUBECONFIG") or None
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+            _contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+            namespace = (active or {}).get("context", {}).get("namespace", "")
+    except (config.ConfigException, OSError) as e:
+        raise ReplicaDiscoveryError(
+            f"no Kubernetes API credentials ({e}): run inside the cluster or point KUBECONFIG at a "
+            "kubeconfig, or pass --workers URL,..."
+        ) from None
+    return configuration, namespace or "default"
+
+
+def _api_message(error: Any) -> str:
+    """The `message` of the API's Status answer, else its body or reason."""
+    try:
+        return str(json.loads(error.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return (str(error.body or "").strip() or str(error.reason))[:300]
 
 
 def _bracket(ip: str) -> str:

@@ -3,7 +3,61 @@ Named templates of the trainer component (templates/trainer-*.yaml). The templat
 `trainer` block of values.yaml directly (`{{- $t := .Values.trainer }}`): its defaults are real
 keys there, merged with the user's values by Helm. The checkpoint volume is the worker's
 (worker.checkpoints): its claim and its mountPath, so both sides see one path for one checkpoint.
+Mode rl runs `bcstack train rl` against this release's gateway, judge and worker pods; mode grpo
+runs `bcstack train grpo` over stored records.
 */}}
+
+{{/* "<fullname>-trainer": the rl-mode ServiceAccount, Role, RoleBinding and PodMonitor (the Job's
+own name carries a hash, see "bcstack.trainer.name"). Takes the root context. */}}
+{{- define "bcstack.trainer.baseName" -}}
+{{- include "bcstack.componentName" (dict "context" . "suffix" "trainer") }}
+{{- end }}
+
+{{/* The ServiceAccount the trainer pod runs as: in rl mode its own (it lists the worker pods), in
+grpo mode the stack's. Takes the root context. */}}
+{{- define "bcstack.trainer.serviceAccountName" -}}
+{{- $sa := .Values.trainer.serviceAccount }}
+{{- if ne .Values.trainer.mode "rl" }}
+{{- include "bcstack.serviceAccountName" . }}
+{{- else if $sa.create }}
+{{- $sa.name | default (include "bcstack.trainer.baseName" .) }}
+{{- else }}
+{{- required "trainer.serviceAccount.name is required when trainer.serviceAccount.create is false (an existing ServiceAccount allowed to list pods)" $sa.name }}
+{{- end }}
+{{- end }}
+
+{{/* The worker pods' selector labels as a label selector, "k=v,k=v" (--k8s-selector): the labels
+the worker Deployment selects its own pods by. Takes the root context. */}}
+{{- define "bcstack.trainer.workerSelector" -}}
+{{- $labels := include "bcstack.componentSelectorLabels" (dict "context" . "component" "worker") | fromYaml }}
+{{- $terms := list }}
+{{- range $key := keys $labels | sortAlpha }}
+{{- $terms = append $terms (printf "%s=%s" $key (index $labels $key)) }}
+{{- end }}
+{{- join "," $terms }}
+{{- end }}
+
+{{/* --gateway: rl.gatewayUrl, else this chart's coordinator Service. Takes the root context. */}}
+{{- define "bcstack.trainer.gatewayUrl" -}}
+{{- if .Values.trainer.rl.gatewayUrl }}
+{{- .Values.trainer.rl.gatewayUrl }}
+{{- else if .Values.coordinator.enabled }}
+{{- printf "http://%s:%d" (include "bcstack.coordinator.name" .) (.Values.coordinator.service.httpPort | int) }}
+{{- else }}
+{{- fail "trainer.mode rl sends its episodes to a coordinator gateway: enable the coordinator or set trainer.rl.gatewayUrl" }}
+{{- end }}
+{{- end }}
+
+{{/* --judge: rl.judgeUrl, else this chart's judge Service. Takes the root context. */}}
+{{- define "bcstack.trainer.judgeUrl" -}}
+{{- if .Values.trainer.rl.judgeUrl }}
+{{- .Values.trainer.rl.judgeUrl }}
+{{- else if .Values.judge.enabled }}
+{{- printf "http://%s:%d" (include "bcstack.judge.name" .) (.Values.judge.service.httpPort | int) }}
+{{- else }}
+{{- fail "trainer.mode rl has its episodes graded by a judge: enable the judge or set trainer.rl.judgeUrl" }}
+{{- end }}
+{{- end }}
 
 {{/* Where the checkpoint volume is mounted, in the trainer as in the workers. Takes the root context. */}}
 {{- define "bcstack.trainer.checkpointsMount" -}}
@@ -30,19 +84,56 @@ the keys. Takes the root context.
 {{- if has (trimSuffix "/" $t.out) (list (trimSuffix "/" $t.model) (trimSuffix "/" $t.ref)) }}
 {{- fail (printf "trainer.out (%s) must differ from trainer.model and trainer.ref: GRPO must not write over the checkpoint it starts from or its KL reference" $t.out) }}
 {{- end }}
-{{- $records := trimSuffix "/" $t.records.mountPath }}
-{{- if not (hasPrefix (printf "%s/" $records) $t.records.file) }}
-{{- fail (printf "trainer.records.file (%s) must lie under trainer.records.mountPath (%s)" $t.records.file $records) }}
-{{- end }}
-{{- if or (eq $records $mount) (hasPrefix (printf "%s/" $mount) $records) (hasPrefix (printf "%s/" $records) $mount) }}
-{{- fail (printf "trainer.records.mountPath (%s) and worker.checkpoints.mountPath (%s) must not overlap: they are two volumes" $records $mount) }}
-{{- end }}
+{{- $data := dict "key" "records" "block" $t.records "claim" true }}
 {{- $owned := list "--records" "--model" "--ref" "--out" "--resume" "--no-resume" "--lr" }}
+{{- $keys := "records.file, model, ref, out, resume, learningRate" }}
+{{- if eq $t.mode "rl" }}
+{{- include "bcstack.trainer.validateRl" . }}
+{{- $data = dict "key" "rl.questions" "block" $t.rl.questions "claim" (not (empty $t.rl.questions.existingClaim)) }}
+{{- $owned = list "--gateway" "--judge" "--workers" "--k8s-selector" "--k8s-namespace" "--worker-port" "--questions" "--model" "--ref" "--out" "--worker-checkpoint-root" "--updates" "--groups" "--group-size" "--max-policy-lag" "--resume" "--no-resume" "--lr" "--eval-every" "--eval-questions" "--report-to" "--metrics-port" }}
+{{- $keys = "the rl block, model, ref, out, resume, learningRate" }}
+{{- end }}
+{{- /* The input files lie on their own claim, or (rl questions without one) on the checkpoint volume. */}}
+{{- $dir := $mount }}
+{{- $where := "worker.checkpoints.mountPath" }}
+{{- if $data.claim }}
+{{- $dir = trimSuffix "/" $data.block.mountPath }}
+{{- $where = printf "trainer.%s.mountPath" $data.key }}
+{{- if or (eq $dir $mount) (hasPrefix (printf "%s/" $mount) $dir) (hasPrefix (printf "%s/" $dir) $mount) }}
+{{- fail (printf "trainer.%s.mountPath (%s) and worker.checkpoints.mountPath (%s) must not overlap: they are two volumes" $data.key $dir $mount) }}
+{{- end }}
+{{- end }}
+{{- $files := list "file" }}
+{{- if $data.block.evalFile }}
+{{- $files = append $files "evalFile" }}
+{{- end }}
+{{- range $key := $files }}
+{{- $path := index $data.block $key }}
+{{- if not (hasPrefix (printf "%s/" $dir) $path) }}
+{{- fail (printf "trainer.%s.%s (%s) must lie under %s (%s)" $data.key $key $path $where $dir) }}
+{{- end }}
+{{- end }}
 {{- range $t.extraArgs }}
 {{- $flag := regexReplaceAll "=.*$" (toString .) "" }}
 {{- if has $flag $owned }}
-{{- fail (printf "trainer.extraArgs: %s is set by the chart; use the trainer values (records.file, model, ref, out, resume, learningRate) instead" $flag) }}
+{{- fail (printf "trainer.extraArgs: %s is set by the chart; use the trainer values (%s) instead" $flag $keys) }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The checks of rl mode: what the loop talks to. Takes the root context. */}}
+{{- define "bcstack.trainer.validateRl" -}}
+{{- $t := .Values.trainer }}
+{{- if not .Values.worker.enabled }}
+{{- fail "trainer.mode rl rolls each update out to this release's worker pods: enable the worker (or use trainer.mode grpo)" }}
+{{- end }}
+{{- $_ := include "bcstack.trainer.gatewayUrl" . }}
+{{- $_ = include "bcstack.trainer.judgeUrl" . }}
+{{- if not (include "bcstack.adminTokenSecretName" .) }}
+{{- fail "trainer.mode rl hot-reloads the workers through their admin endpoints, which need the admin token: set adminToken.existingSecret or adminToken.create" }}
+{{- end }}
+{{- if ne (kindIs "invalid" $t.rl.evalEvery) (not $t.rl.questions.evalFile) }}
+{{- fail "trainer.rl.evalEvery and trainer.rl.questions.evalFile go together: set both for a held-out evaluation, or neither" }}
 {{- end }}
 {{- end }}
 
@@ -70,39 +161,90 @@ Takes $t. */}}
 {{- end }}
 
 {{/*
-The container's args after `torchrun`: the launcher's, then `-m bcstack train grpo` and its own.
+The container's args after `torchrun`: the launcher's, then `-m bcstack train <mode>` and its own.
 --standalone: a single-node rendezvous on a free local port, nothing to configure. -m runs each
 rank as `python -m bcstack ...` (bcstack/__main__.py) with torchrun's own interpreter, the venv's.
-Takes $t.
+Takes the root context.
 */}}
 {{- define "bcstack.trainer.args" -}}
+{{- $t := .Values.trainer }}
 - --standalone
 - --nnodes
 - "1"
 - --nproc_per_node
-- {{ .tensorParallel | int64 | quote }}
+- {{ $t.tensorParallel | int64 | quote }}
 - -m
 - bcstack
 - train
-- grpo
+- {{ $t.mode }}
+{{- if eq $t.mode "rl" }}
+{{- include "bcstack.trainer.rlArgs" . }}
+{{- else }}
 - --records
-- {{ .records.file | quote }}
-- --model
-- {{ .model | quote }}
-- --ref
-- {{ .ref | quote }}
-- --out
-- {{ .out | quote }}
-{{- if not (kindIs "invalid" .learningRate) }}
-- --lr
-- {{ .learningRate | float64 | toString | quote }}
+- {{ $t.records.file | quote }}
 {{- end }}
-{{- if .resume }}
+- --model
+- {{ $t.model | quote }}
+- --ref
+- {{ $t.ref | quote }}
+- --out
+- {{ $t.out | quote }}
+{{- if not (kindIs "invalid" $t.learningRate) }}
+- --lr
+- {{ $t.learningRate | float64 | toString | quote }}
+{{- end }}
+{{- if $t.resume }}
 - --resume
 {{- end }}
-{{- range .extraArgs }}
+{{- range $t.extraArgs }}
 - {{ . | toString | quote }}
 {{- end }}
+{{- end }}
+
+{{/*
+`bcstack train rl`'s own flags: the gateway and the judge by their Services, the worker pods by
+their selector labels in this namespace (listed through the Kubernetes API, reached on their HTTP
+port, reloaded from `out`, which they see at the same path: the trainer mounts their claim where
+they do), the schedule, and the metrics port. A leading newline: it follows `- rl`. Takes the root
+context.
+*/}}
+{{- define "bcstack.trainer.rlArgs" -}}
+{{- $t := .Values.trainer }}
+{{- $rl := $t.rl }}
+- --gateway
+- {{ include "bcstack.trainer.gatewayUrl" . | quote }}
+- --judge
+- {{ include "bcstack.trainer.judgeUrl" . | quote }}
+- --k8s-selector
+- {{ include "bcstack.trainer.workerSelector" . | quote }}
+- --k8s-namespace
+- {{ .Release.Namespace | quote }}
+- --worker-port
+- {{ .Values.worker.service.httpPort | int64 | quote }}
+- --worker-checkpoint-root
+- {{ $t.out | quote }}
+- --questions
+- {{ $rl.questions.file | quote }}
+- --updates
+- {{ $rl.updates | int64 | quote }}
+- --groups
+- {{ $rl.groups | int64 | quote }}
+- --group-size
+- {{ $rl.groupSize | int64 | quote }}
+- --max-policy-lag
+- {{ $rl.maxPolicyLag | int64 | quote }}
+{{- if not (kindIs "invalid" $rl.evalEvery) }}
+- --eval-every
+- {{ $rl.evalEvery | int64 | quote }}
+- --eval-questions
+- {{ $rl.questions.evalFile | quote }}
+{{- end }}
+{{- with $rl.reportTo }}
+- --report-to
+- {{ join "," . | quote }}
+{{- end }}
+- --metrics-port
+- {{ $rl.metricsPort | int64 | quote }}
 {{- end }}
 
 {{/*
@@ -111,8 +253,17 @@ Takes the root context.
 */}}
 {{- define "bcstack.trainer.jobSpec" -}}
 {{- $t := .Values.trainer }}
+{{- $rl := eq $t.mode "rl" }}
 {{- $args := dict "context" $ "t" $t }}
 {{- $mount := include "bcstack.trainer.checkpointsMount" . }}
+{{- /* The input volume: the episode records in grpo mode, the questions' claim in rl mode (none
+when they lie on the checkpoint volume). */}}
+{{- $data := $t.records }}
+{{- $dataVolume := "records" }}
+{{- if $rl }}
+{{- $data = $t.rl.questions }}
+{{- $dataVolume = ternary "questions" "" (not (empty $data.existingClaim)) }}
+{{- end }}
 backoffLimit: {{ $t.backoffLimit | int64 }}
 {{- with $t.activeDeadlineSeconds }}
 activeDeadlineSeconds: {{ . | int64 }}
@@ -135,8 +286,10 @@ template:
       {{- end }}
   spec:
     restartPolicy: Never
-    serviceAccountName: {{ include "bcstack.serviceAccountName" . }}
-    automountServiceAccountToken: {{ .Values.serviceAccount.automount }}
+    serviceAccountName: {{ include "bcstack.trainer.serviceAccountName" . }}
+    {{- /* rl mode lists the worker pods through the Kubernetes API, as this ServiceAccount. */}}
+    automountServiceAccountToken: {{ or $rl .Values.serviceAccount.automount }}
+    {{- /* The kubelet still sets KUBERNETES_SERVICE_HOST/PORT, where the in-cluster client looks. */}}
     enableServiceLinks: false
     {{- include "bcstack.imagePullSecrets" . | nindent 4 }}
     {{- with $t.runtimeClassName }}
@@ -156,7 +309,14 @@ template:
         (ENTRYPOINT bcstack) run the same thing. */}}
         command: ["torchrun"]
         args:
-          {{- include "bcstack.trainer.args" $t | nindent 10 }}
+          {{- include "bcstack.trainer.args" . | nindent 10 }}
+        {{- if $rl }}
+        ports:
+          {{- /* /metrics (bcstack_trainer_*), for the PodMonitor. */}}
+          - name: metrics
+            containerPort: {{ $t.rl.metricsPort | int64 }}
+            protocol: TCP
+        {{- end }}
         envFrom:
           - configMapRef:
               name: {{ include "bcstack.commonConfigName" . }}
@@ -164,6 +324,17 @@ template:
           {{- /* The checkpoints are local folders: never reach out to the Hugging Face Hub. */}}
           - name: HF_HUB_OFFLINE
             value: "1"
+          {{- if $rl }}
+          {{- /* The workers' admin token: each update's export is hot-reloaded into them. */}}
+          {{- include "bcstack.adminTokenEnv" . | nindent 10 }}
+          {{- with $t.rl.wandbApiKeySecret }}
+          - name: WANDB_API_KEY
+            valueFrom:
+              secretKeyRef:
+                name: {{ .name }}
+                key: {{ .key }}
+          {{- end }}
+          {{- end }}
           {{- range $name, $value := $t.extraEnv }}
           - name: {{ $name }}
             value: {{ $value | toString | quote }}
@@ -175,9 +346,11 @@ template:
         volumeMounts:
           - name: checkpoints
             mountPath: {{ $mount | quote }}
-          - name: records
-            mountPath: {{ trimSuffix "/" $t.records.mountPath | quote }}
-            readOnly: {{ $t.records.readOnly }}
+          {{- if $dataVolume }}
+          - name: {{ $dataVolume }}
+            mountPath: {{ trimSuffix "/" $data.mountPath | quote }}
+            readOnly: {{ $data.readOnly }}
+          {{- end }}
           - name: dshm
             mountPath: /dev/shm
           {{- /* torchrun's error files and logs, torch's compile caches; the root filesystem is
@@ -193,10 +366,12 @@ template:
       - name: checkpoints
         persistentVolumeClaim:
           claimName: {{ include "bcstack.worker.checkpointsClaimName" (dict "context" $ "w" .Values.worker) }}
-      - name: records
+      {{- if $dataVolume }}
+      - name: {{ $dataVolume }}
         persistentVolumeClaim:
-          claimName: {{ $t.records.existingClaim }}
-          readOnly: {{ $t.records.readOnly }}
+          claimName: {{ $data.existingClaim }}
+          readOnly: {{ $data.readOnly }}
+      {{- end }}
       - name: dshm
         emptyDir:
           medium: Memory

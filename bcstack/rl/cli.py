@@ -1,0 +1,184 @@
+"""`bcstack train rl`: the whole RL loop against a running stack (DESIGN.md §9)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import typer
+
+from core.kit.cli import fail
+
+
+def rl(
+    state: Path | None = typer.Option(
+        None,
+        "--state",
+        help="A `bcstack up` stack's folder: gateway, judge and workers come from its stack.json, the "
+        "admin token from its admin-token file (flags given below win).",
+    ),
+    gateway: str | None = typer.Option(None, "--gateway", help="Coordinator gateway URL (http://host:port)."),
+    judge: str | None = typer.Option(None, "--judge", help="Judge proxy URL (http://host:port)."),
+    workers: str | None = typer.Option(
+        None, "--workers", help="Worker replicas' HTTP URLs, comma-separated (their admin reload endpoint)."
+    ),
+    k8s_selector: str | None = typer.Option(
+        None, "--k8s-selector", help="Find the worker replicas as running pods with this label selector."
+    ),
+    k8s_namespace: str | None = typer.Option(None, "--k8s-namespace", help="Namespace of the worker pods."),
+    worker_port: int = typer.Option(8002, "--worker-port", help="Worker pods' HTTP port."),
+    questions: Path = typer.Option(
+        ...,
+        "--questions",
+        help="Training questions: the toy world's train split, a FoldAgent/BrowseComp-Plus split "
+        "(JSONL or Parquet; the evaluation loaders read it).",
+    ),
+    password: str | None = typer.Option(
+        None, "--password", envvar="BCSTACK_EVAL_PASSWORD", help="Decrypts BrowseComp-Plus query files."
+    ),
+    model: Path = typer.Option(..., "--model", help="The policy to train (an HF folder)."),
+    ref: Path = typer.Option(..., "--ref", help="The frozen KL reference (the SFT model), an HF folder."),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        help="Run folder: metrics.jsonl, updates.jsonl, checkpoints/, exports/u*/ (the workers reload "
+        "from here, so they must see it: a shared volume, or --worker-checkpoint-root).",
+    ),
+    updates: int = typer.Option(1, "--updates", min=0, help="Train until the policy has this many updates."),
+    groups: int = typer.Option(8, "--groups", min=1, help="Question groups per update (seed 000: 8)."),
+    group_size: int = typer.Option(8, "--group-size", min=1, help="Episodes per group (seed 000: 8)."),
+    max_policy_lag: int = typer.Option(
+        1,
+        "--max-policy-lag",
+        min=0,
+        help="Staleness bound: rollouts continue while an update trains, at most this many policy "
+        "versions behind; older groups are dropped and counted. 0 = synchronous.",
+    ),
+    lr: float = typer.Option(1e-6, "--lr", min=0.0, help="AdamW learning rate (seed 000: 1e-6)."),
+    mixed_versions: str = typer.Option(
+        "keep",
+        "--mixed-versions",
+        help="Trajectories whose turns span a reload (several weight versions): keep, drop or error.",
+    ),
+    dynamic_sampling: bool = typer.Option(
+        False,
+        "--dynamic-sampling",
+        help="DAPO-style: leave out groups whose rewards are all equal and sample more to fill the batch.",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the question order."),
+    worker_checkpoint_root: Path | None = typer.Option(
+        None,
+        "--worker-checkpoint-root",
+        help="Where the workers see --out (e.g. the checkpoint volume's mount path in their pods).",
+    ),
+    max_tokens: int | None = typer.Option(
+        None, "--worker-max-tokens", min=1, help="Worker episode token budget (default: the worker's)."
+    ),
+    max_turns: int | None = typer.Option(
+        None, "--worker-max-turns", min=1, help="Worker episode turn limit (default: the worker's)."
+    ),
+    max_branches: int | None = typer.Option(
+        None, "--max-branches", min=1, help="Coordinator branches per episode (default: the gateway's)."
+    ),
+    eval_every: int = typer.Option(
+        0, "--eval-every", min=0, help="Every K updates, an evaluation round on --eval-questions (0: never)."
+    ),
+    eval_questions: Path | None = typer.Option(None, "--eval-questions", help="Held-out questions."),
+    report_to: str = typer.Option(
+        "", "--report-to", help="Also log to: tensorboard, wandb (comma-separated; W&B offline works)."
+    ),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", help="Serve bcstack_trainer_* Prometheus metrics on this port."
+    ),
+    judge_attempts: int = typer.Option(
+        5,
+        "--judge-attempts",
+        min=1,
+        help="Tries per judge call before the run stops.",
+    ),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
+) -> None:
+    """Train a worker on live rollouts: submit question groups to the gateway, grade them with the
+    judge, GRPO-update the policy, export it and hot-reload every worker replica, and go round.
+
+    Seed 000's settings are the defaults: 8 groups x 8 episodes per update, LR 1e-6, TIS cap 2, KL
+    0.001 (k3) to --ref, 0.5/0.5 balanced credit. One JSON line per update goes to OUT/metrics.jsonl,
+    the episode ids of each update to OUT/updates.jsonl. Kill it at any moment: --resume continues
+    from the newest complete checkpoint. Bad input is one `error:` line.
+    """
+    from bcstack.evaluation.loaders import LoaderError, load_questions
+    from bcstack.rl.loop import RLConfig, RLError, RLRun
+    from bcstack.rl.rollouts import RolloutError
+    from bcstack.rl.sinks import SinkError
+    from services.worker.rolling import ReplicaDiscoveryError, k8s_worker_urls, parse_worker_urls
+    from trainer.grpo import GRPOError
+    from trainer.parallel import refuse_multi_rank
+
+    try:
+        refuse_multi_rank("bcstack train rl")
+    except RuntimeError as exc:
+        fail(str(exc))
+    if mixed_versions not in ("keep", "drop", "error"):
+        fail(f"--mixed-versions must be keep, drop or error, not {mixed_versions!r}")
+    token = os.environ.get("BCSTACK_ADMIN_TOKEN", "").strip()
+    if state is not None:
+        stack_file = state / "stack.json"
+        if not stack_file.is_file():
+            fail(f"--state {state}: no stack.json (start one with `bcstack up --state {state}`)")
+        services = json.loads(stack_file.read_text())["services"]
+        gateway = gateway or services["coordinator"]["http"]
+        judge = judge or services["judge"]["http"]
+        workers = workers or services["worker"]["http"]
+        if not token and (state / "admin-token").is_file():
+            token = (state / "admin-token").read_text().strip()
+    if not gateway or not judge:
+        fail("give the stack: --state DIR, or --gateway URL and --judge URL")
+    if not token:
+        fail("the workers' admin token is needed to reload them: set BCSTACK_ADMIN_TOKEN (or --state)")
+    try:
+        if k8s_selector:
+            urls = k8s_worker_urls(k8s_selector, port=worker_port, namespace=k8s_namespace)
+        elif workers:
+            urls = parse_worker_urls(workers)
+        else:
+            fail("give the worker replicas: --workers URL,URL or --k8s-selector SELECTOR (or --state)")
+        train_questions = load_questions(questions, password=password)
+        held_out = load_questions(eval_questions, password=password) if eval_questions else []
+    except (ReplicaDiscoveryError, LoaderError, OSError, ValueError) as exc:
+        fail(str(exc))
+    if eval_every and not held_out:
+        fail("--eval-every needs --eval-questions")
+    budget = {k: v for k, v in {"max_tokens": max_tokens, "max_turns": max_turns}.items() if v}
+    config = RLConfig(
+        questions=train_questions,
+        model=model,
+        ref=ref,
+        out=out,
+        gateway=gateway,
+        judge=judge,
+        workers=urls,
+        admin_token=token,
+        updates=updates,
+        groups=groups,
+        group_size=group_size,
+        max_policy_lag=max_policy_lag,
+        lr=lr,
+        mixed_versions=mixed_versions,
+        dynamic_sampling=dynamic_sampling,
+        seed=seed,
+        worker_checkpoint_root=worker_checkpoint_root,
+        worker_budget=budget,
+        overrides={"max_branches": max_branches} if max_branches else {},
+        eval_every=eval_every,
+        eval_questions=held_out,
+        judge_attempts=judge_attempts,
+        report_to={n.strip() for n in report_to.split(",") if n.strip()},
+        metrics_port=metrics_port,
+    )
+    try:
+        run = RLRun(config, say=typer.echo)
+        asyncio.run(run.run(resume=resume))
+    except (RLError, RolloutError, GRPOError, SinkError) as exc:
+        fail(str(exc))
