@@ -165,9 +165,20 @@ def episode_records(stack: dict, ids: list[str]) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("lag", [0, 1])
 def test_three_updates_train_reload_and_respect_the_staleness_bound(rl_stack: dict, lag: int) -> None:
     out = rl_stack["state"] / "train" / f"lag{lag}"
-    done = train_rl(rl_stack, f"lag{lag}", "--updates", "3", "--max-policy-lag", str(lag))
+    extra = [] if lag == 0 else [
+        "--eval-every", "3", "--eval-questions", str(rl_stack["state"] / "world" / "questions.jsonl"),
+        "--report-to", "tensorboard",
+    ]  # fmt: skip
+    done = train_rl(rl_stack, f"lag{lag}", "--updates", "3", "--max-policy-lag", str(lag), *extra)
     assert done.returncode == 0, done.stdout + done.stderr
     metrics = lines(out / "metrics.jsonl")
+    if lag:
+        # A held-out round on the current weights after update 3, with its Wilson interval, and the
+        # same numbers in TensorBoard's event files.
+        last = metrics[-1]
+        assert last["eval_questions"] == 9 and 0 <= last["eval_wilson_low"] <= last["eval_wilson_high"] <= 1
+        assert (out / "eval" / "u000003" / "judgements.jsonl").is_file()
+        assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert [m["update"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         assert set(REQUIRED) <= set(m), set(REQUIRED) - set(m)

@@ -498,6 +498,7 @@ class RLRun:
                         self._idle_since = now
                     metrics = {
                         "update": self.update,
+                        "time": time.time(),
                         "weight_version": weight_version(self.update),
                         **metrics,
                         **counts,
