@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -178,7 +179,41 @@ def rl(
         metrics_port=metrics_port,
     )
     try:
-        run = RLRun(config, say=typer.echo)
-        asyncio.run(run.run(resume=resume))
+        with _live_view(updates) as (say, on_metrics, on_progress):
+            run = RLRun(config, say=say, on_metrics=on_metrics, on_progress=on_progress)
+            asyncio.run(run.run(resume=resume))
     except (RLError, RolloutError, GRPOError, SinkError) as exc:
         fail(str(exc))
+
+
+@contextlib.contextmanager
+def _live_view(updates: int):
+    """A Rich live view on a terminal: updates done, groups graded and in flight, the reload going
+    on; plain lines (one per update) everywhere else, so logs and CI output stay readable."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield typer.echo, (lambda _m: None), (lambda _k, _d: None)
+        return
+    with Progress(
+        TextColumn("{task.description:>14}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
+    ) as progress:  # fmt: skip
+        update_bar = progress.add_task("updates", total=updates, status="")
+        groups_bar = progress.add_task("groups graded", total=None, status="")
+
+        def on_metrics(m: dict) -> None:
+            progress.update(
+                update_bar, completed=m["update"],
+                status=f"reward {m['reward_mean'] or 0:.3f}, lag max {m['policy_lag_max']}",
+            )  # fmt: skip
+
+        def on_progress(kind: str, data: dict) -> None:
+            if kind == "group":
+                progress.update(groups_bar, advance=1, status=f"{data['inflight']} in flight")
+            elif kind == "reload":
+                progress.update(update_bar, status=f"reloading the workers to rl-u{data['update']}")
+
+        yield progress.console.print, on_metrics, on_progress
