@@ -250,7 +250,7 @@ def measure(gateway: dict, llm_url: str, pids: dict[str, int], level: int, durat
     return run
 
 
-def tables(results: list[dict], variants: list[str], duration: float) -> tuple[list[Table], list[str]]:
+def tables(results: list[dict], variants: list[str], duration: float) -> list[Table]:
     base = {r["concurrency"]: r for r in results if r["variant"] == variants[0]}
     verdicts = []
     top = max(r["concurrency"] for r in results)
@@ -341,7 +341,7 @@ def tables(results: list[dict], variants: list[str], duration: float) -> tuple[l
             "CPU per turn above includes and the gap between the two LLM-call views shows."
         ],
     )
-    return [headline, detail], verdicts
+    return [headline, detail]
 
 
 def main() -> None:
@@ -405,7 +405,7 @@ def main() -> None:
 
     order = {v: k for k, v in enumerate(variants)}
     results.sort(key=lambda r: (r["concurrency"], order[r["variant"]]))
-    out, verdicts = tables(results, variants, args.duration)
+    out = tables(results, variants, args.duration)
     print()
     print(render_results("gateway", out))
     if args.json:
