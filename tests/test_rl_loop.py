@@ -24,7 +24,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from conftest import find_free_port
+from conftest import find_free_port, wait_until
 from fake_openai import Reply, ScriptedLLM, completion, serving_uvicorn
 from stack_util import bcstack_process
 
@@ -247,3 +247,50 @@ def test_kill_9_at_any_phase_then_resume_applies_no_update_twice(rl_stack: dict)
     assert len(trained) == len(set(trained)) == 4 * 2 * 2
     assert served_version(rl_stack) == "rl-u4"
     assert json.loads((out / "run.json").read_text())["generation"] == 5
+
+
+def test_a_worker_replica_that_dies_costs_its_episodes_not_the_run(rl_stack: dict) -> None:
+    """Two worker replicas behind a second gateway; one is SIGKILLed after the first update: the
+    gateway moves its branches to the other, its reload fails and is counted, the run goes on."""
+    state = rl_stack["state"]
+    info = json.loads((state / "stack.json").read_text())["services"]
+    token = (state / "admin-token").read_text().strip()
+    http, grpc_port, gateway_port, gateway_grpc = (find_free_port() for _ in range(4))
+    env = {"BCSTACK_ADMIN_TOKEN": token}
+    second = bcstack_process(
+        ["serve", "worker", "--tokenizer", str(state / "tiny"), "--engine-url", info["engine"]["http"],
+         "--retrieval", info["retrieval"]["grpc"], "--checkpoint-root", str(state / "train"),
+         "--port", str(http), "--grpc-port", str(grpc_port)],
+        f"http://127.0.0.1:{http}/health", env=env,
+    )  # fmt: skip
+    with second as replica:
+        gateway = bcstack_process(
+            ["serve", "coordinator", "--coordinator-url", info["coordinator-llm"]["http"] + "/v1",
+             "--workers", f"{info['worker']['grpc']},127.0.0.1:{grpc_port}",
+             "--records", str(state / "records-two-replicas.sqlite"),
+             "--port", str(gateway_port), "--grpc-port", str(gateway_grpc)],
+            f"http://127.0.0.1:{gateway_port}/health", env=env,
+        )  # fmt: skip
+        with gateway:
+            out = state / "train" / "replica-dies"
+            command = [
+                sys.executable, "-m", "bcstack", "train", "rl", "--gateway", f"http://127.0.0.1:{gateway_port}",
+                "--judge", rl_stack["judge"], "--workers", f"{info['worker']['http']},http://127.0.0.1:{http}",
+                "--questions", str(state / "world" / "train.jsonl"), "--model", str(state / "tiny"),
+                "--ref", str(state / "tiny"), "--out", str(out), "--updates", "2", "--max-policy-lag", "0",
+                *SMALL,
+            ]  # fmt: skip
+            run = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env={**os.environ, **env},
+            )  # fmt: skip
+            wait_until(lambda: lines(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else [],
+                       timeout=300, message="the first update")  # fmt: skip
+            replica.kill()
+            output, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, output
+    metrics = lines(out / "metrics.jsonl")
+    assert [m["update"] for m in metrics] == [1, 2]
+    assert metrics[0]["reload_failed_replicas"] == 0 and metrics[1]["reload_failed_replicas"] == 1
+    assert metrics[1]["graded_episodes"] == 4  # every episode still ran, on the surviving replica
+    assert f"reload of http://127.0.0.1:{http}" in output

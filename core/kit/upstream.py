@@ -22,7 +22,8 @@ health and do not count.
 The API key is sent only in the Authorization header: it is registered with the log redaction
 filter, scrubbed from upstream error messages, and never part of a repr or an exception.
 
-HTTP goes through one of two clients (`http_client`), with the same timeouts, errors and answers:
+HTTP goes through one of two clients (`http_client`, `core.kit.upstream_http`), with the same
+timeouts, errors and answers:
 `httpx` (the default here) or `aiohttp` (the coordinator gateway's default,
 `upstream_http_client`). Under hundreds of concurrent calls httpx spends most of its time in
 its connection pool's bookkeeping, which scans every pooled connection on each request and
@@ -40,21 +41,27 @@ import math
 import re
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import aiohttp
 import httpx
-import yarl
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.wait import wait_random_exponential
 
 from core.kit.breaker import CircuitBreaker
 from core.kit.logging import REDACTED, register_secret
+from core.kit.upstream_http import (  # noqa: F401 - HttpClientName and friends are part of this API
+    DEFAULT_HTTP_CLIENT,
+    HTTP_CLIENTS,
+    HttpAnswer,
+    HttpClientName,
+    NoAnswer,
+    make_transport,
+)
 
 ENDPOINT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -110,15 +117,6 @@ RETRIED_KINDS = frozenset({"rate_limited", "server_error", "timeout", "connectio
 
 MESSAGE_LIMIT = 300  # characters of an upstream error message kept in ours
 PROBE_TIMEOUT_SECONDS = 10.0
-
-HttpClientName = Literal["httpx", "aiohttp"]
-HTTP_CLIENTS: tuple[str, ...] = ("httpx", "aiohttp")
-DEFAULT_HTTP_CLIENT: HttpClientName = "httpx"
-# Many episodes share one endpoint: up to 1,000 connections (the official openai client's cap),
-# all kept alive. With the openai client's 100 kept alive, 512 concurrent episodes opened and
-# closed a TCP connection for most calls (bench/gateway.py).
-MAX_CONNECTIONS = 1000
-KEEPALIVE_SECONDS = 5.0  # httpx's default; below the usual server keep-alive, so no reuse races it
 
 
 class UpstreamError(Exception):
@@ -183,121 +181,6 @@ class ChatResult:
     seconds: float  # wall time of the whole call, retry waits included
 
 
-@dataclass(frozen=True)
-class HttpAnswer:
-    """One upstream HTTP answer, read whole; the same shape from either HTTP client."""
-
-    status_code: int
-    reason_phrase: str
-    headers: Mapping[str, str]  # case-insensitive lookups (httpx.Headers, multidict)
-    content: bytes
-
-    @property
-    def is_success(self) -> bool:
-        return 200 <= self.status_code < 300
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", errors="replace")
-
-    def json(self) -> Any:
-        return json.loads(self.content)
-
-
-class _NoAnswer(Exception):
-    """No HTTP answer: `kind` "timeout" (`detail` says which) or "connection" (`cause` says why)."""
-
-    def __init__(
-        self, kind: str, detail: str = "", cause: BaseException | None = None, protocol: bool = False
-    ) -> None:
-        super().__init__(detail)
-        self.kind, self.detail, self.cause, self.protocol = kind, detail, cause, protocol
-
-
-class _HttpxTransport:
-    def __init__(self, base_url: str, transport: httpx.AsyncBaseTransport | None) -> None:
-        limits = httpx.Limits(
-            max_connections=MAX_CONNECTIONS,
-            max_keepalive_connections=MAX_CONNECTIONS,
-            keepalive_expiry=KEEPALIVE_SECONDS,
-        )
-        self._client = httpx.AsyncClient(base_url=base_url + "/", transport=transport, limits=limits)
-
-    async def send(
-        self, method: str, path: str, headers: dict[str, str], body: bytes | None, connect: float, read: float
-    ) -> HttpAnswer:
-        timeout = httpx.Timeout(read, connect=connect, pool=read)
-        try:
-            r = await self._client.request(method, path, headers=headers, content=body, timeout=timeout)
-        except httpx.ConnectTimeout:
-            raise _NoAnswer("timeout", f"no connection within {connect:g} s") from None
-        except httpx.TimeoutException:
-            raise _NoAnswer("timeout", f"no answer within {read:g} s") from None
-        except httpx.RequestError as exc:
-            raise _NoAnswer(
-                "connection", cause=exc, protocol=isinstance(exc, httpx.RemoteProtocolError)
-            ) from exc
-        return HttpAnswer(r.status_code, r.reason_phrase, r.headers, r.content)
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
-
-class _AiohttpTransport:
-    """aiohttp with httpx's behaviour: no redirects followed, cookies kept, proxies from the
-    environment (read once, as httpx does). The session belongs to an event loop, so it is made
-    on the first request, in the loop that makes it."""
-
-    def __init__(self, base_url: str) -> None:
-        self._base = base_url + "/"
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        try:
-            proxy, proxy_auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(self._base))
-        except LookupError:
-            proxy, proxy_auth = None, None
-        connector = aiohttp.TCPConnector(
-            limit=MAX_CONNECTIONS, limit_per_host=0, keepalive_timeout=KEEPALIVE_SECONDS
-        )
-        return aiohttp.ClientSession(
-            self._base,
-            connector=connector,
-            cookie_jar=aiohttp.CookieJar(unsafe=True),
-            proxy=proxy,
-            proxy_auth=proxy_auth,
-        )
-
-    async def send(
-        self, method: str, path: str, headers: dict[str, str], body: bytes | None, connect: float, read: float
-    ) -> HttpAnswer:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            self._session, self._loop = self._open(), loop
-        timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=read)
-        try:
-            async with self._session.request(
-                method, path, headers=headers, data=body, timeout=timeout, allow_redirects=False
-            ) as r:
-                return HttpAnswer(r.status, r.reason or "", r.headers, await r.read())
-        except aiohttp.ConnectionTimeoutError:
-            raise _NoAnswer("timeout", f"no connection within {connect:g} s") from None
-        except aiohttp.ServerTimeoutError:
-            raise _NoAnswer("timeout", f"no answer within {read:g} s") from None
-        except aiohttp.ClientError as exc:
-            protocol = isinstance(
-                exc,
-                aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientResponseError,
-            )
-            raise _NoAnswer("connection", cause=exc, protocol=protocol) from exc
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
 class UpstreamClient:
     """Chat completions against one endpoint (`spec`), with retries and the endpoint's breaker."""
 
@@ -344,11 +227,7 @@ class UpstreamClient:
         self._jitter = wait_random_exponential(multiplier=backoff_seconds, max=backoff_max_seconds)
         self._last_failure: str | None = None
         self.http_client = http_client
-        self._http = (
-            _HttpxTransport(spec.base_url, transport)
-            if http_client == "httpx"
-            else _AiohttpTransport(spec.base_url)
-        )
+        self._http = make_transport(http_client, spec.base_url, transport)
 
     def __repr__(self) -> str:
         return (
@@ -543,7 +422,7 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(connect + read):
                 return await self._http.send(method, path, headers, content, connect, read)
-        except _NoAnswer as exc:
+        except NoAnswer as exc:
             if exc.kind == "timeout":
                 raise UpstreamError(
                     "timeout", self.spec.name, "timeout", exc.detail, role=self.role
