@@ -8,9 +8,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore
 PIP=("$PY" -m pip install --disable-pip-version-check -q -c constraints.txt)
-APT_PACKAGES=(prometheus)
+APT_PACKAGES=(prometheus openssl)  # openssl: a test signs a stand-in Kubernetes API certificate
 
-# 1. Debian packages the tests use (a real Prometheus server scrapes our /metrics).
+# 1. Debian packages the tests use (a real Prometheus server scrapes our /metrics; openssl).
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
