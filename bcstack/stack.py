@@ -207,9 +207,15 @@ def plan(state: Path, assets: dict[str, Path], worker: str, token: str) -> list[
     worker_svc = svc(
         "worker",
         [
-            "--tokenizer", str(tokenizer), "--engine-url", engine.http, "--retrieval", retrieval.grpc or "",
+            "--tokenizer",
+            str(tokenizer),
+            "--engine-url",
+            engine.http,
+            "--retrieval",
+            retrieval.grpc or "",
             # `bcstack train rl --state` writes its exports under STATE/train; the worker reloads them.
-            "--checkpoint-root", str(state / TRAIN_DIR),
+            "--checkpoint-root",
+            str(state / TRAIN_DIR),
         ],  # fmt: skip
     )
     llm = svc("coordinator-llm", ["--policy", "scripted"])

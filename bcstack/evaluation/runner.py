@@ -31,8 +31,9 @@ from typing import Any
 import httpx
 
 from bcstack.evaluation.loaders import EvalQuestion
+from bcstack.gateway_client import GatewayError, run_episode
 from core.grading import response_confidence, response_text
-from core.records import EpisodeGrades, EpisodeRecord, RecordError
+from core.records import EpisodeGrades, EpisodeRecord
 
 JUDGEMENTS = "judgements.jsonl"
 META = "eval.json"
@@ -255,30 +256,10 @@ class EvalRunner:
 
     async def _episode(self, client: httpx.AsyncClient, body: dict[str, Any]) -> EpisodeRecord:
         """The episode's full record; a gateway that is full (429) or briefly away is waited for."""
-        for attempt in range(30):
-            try:
-                r = await client.post(f"{self.gateway}/v1/episodes", json=body)
-            except httpx.TransportError as e:
-                if attempt >= 5:
-                    raise EvalRunError(f"the gateway {self.gateway} is unreachable: {e}") from None
-                await asyncio.sleep(min(2**attempt, 10))
-                continue
-            if r.status_code in (429, 503):
-                await asyncio.sleep(float(r.headers.get("retry-after", "1") or 1))
-                continue
-            if r.status_code != 200:
-                raise EvalRunError(f"the gateway answered {r.status_code}: {r.text[:300]}")
-            episode_id = r.json()["episode_id"]
-            stored = await client.get(f"{self.gateway}/v1/episodes/{episode_id}")
-            if stored.status_code != 200:
-                raise EvalRunError(
-                    f"the gateway has no record of episode {episode_id} ({stored.status_code})"
-                )
-            try:
-                return EpisodeRecord.load(stored.json())
-            except RecordError as exc:
-                raise EvalRunError(f"the gateway's record of episode {episode_id} is broken: {exc}") from None
-        raise EvalRunError(f"the gateway {self.gateway} stayed full for 30 tries")
+        try:
+            return await run_episode(client, self.gateway, body, full_attempts=30, unreachable_attempts=6)
+        except GatewayError as exc:
+            raise EvalRunError(str(exc)) from None
 
     async def _grade(
         self, client: httpx.AsyncClient, question: str, response: str, gold: str

@@ -48,6 +48,7 @@ from typing import Any
 
 from bcstack.rl.rollouts import GroupRollout, StackClient, weight_version
 from bcstack.rl.sampler import Group, GroupSampler
+from bcstack.rl.sinks import RunSinks, read_metrics
 from core.atomic import atomic_write_text
 from services.worker.rolling import rolling_reload
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -227,7 +228,7 @@ class RLRun:
             self._open_sinks(resume_update=self.update)
             last = state["extra"].get("metrics")
             if last is not None and not any(
-                r.get("update") == self.update for r in _read_lines(self.out / METRICS_FILE)
+                r.get("update") == self.update for r in read_metrics(self.out)
             ):  # killed between the checkpoint and its metrics line
                 self.sinks.log(self.update, last)
                 _append_line(self.out / UPDATES_FILE, state["extra"]["episodes"])
@@ -242,8 +243,6 @@ class RLRun:
             self._open_sinks(resume_update=None)
 
     def _open_sinks(self, resume_update: int | None) -> None:
-        from bcstack.rl.sinks import RunSinks
-
         cfg = self.cfg
         self.sinks = RunSinks(
             self.out,

@@ -27,9 +27,10 @@ from typing import Any
 
 import httpx
 
+from bcstack.gateway_client import GatewayError, run_episode
 from bcstack.rl.sampler import Group
 from core.grading import response_text
-from core.records import EpisodeGrades, EpisodeRecord, RecordError
+from core.records import EpisodeGrades, EpisodeRecord
 
 VERSION_PREFIX = "rl-u"
 _VERSION_RE = re.compile(rf"^{re.escape(VERSION_PREFIX)}(\d+)$")
@@ -118,27 +119,10 @@ class StackClient:
 
     async def episode(self, body: dict[str, Any]) -> EpisodeRecord:
         """Run one episode and return its stored record; a full or restarting gateway is waited for."""
-        for attempt in range(60):
-            try:
-                r = await self.client.post(f"{self.gateway}/v1/episodes", json=body)
-            except httpx.TransportError as e:
-                if attempt >= 8:
-                    raise RolloutError(f"the gateway {self.gateway} is unreachable: {e}") from None
-                await asyncio.sleep(min(2**attempt * 0.25, 10))
-                continue
-            if r.status_code in (429, 503):
-                await asyncio.sleep(float(r.headers.get("retry-after", "1") or 1))
-                continue
-            if r.status_code != 200:
-                raise RolloutError(f"the gateway answered {r.status_code}: {r.text[:300]}")
-            stored = await self.client.get(f"{self.gateway}/v1/episodes/{body['episode_id']}")
-            if stored.status_code != 200:
-                raise RolloutError(f"the gateway has no record of episode {body['episode_id']}")
-            try:
-                return EpisodeRecord.load(stored.json())
-            except RecordError as exc:
-                raise RolloutError(f"the gateway's record is broken: {exc}") from None
-        raise RolloutError(f"the gateway {self.gateway} stayed full for 60 tries")
+        try:
+            return await run_episode(self.client, self.gateway, body)
+        except GatewayError as exc:
+            raise RolloutError(str(exc)) from None
 
     async def _judge(self, path: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not items:
