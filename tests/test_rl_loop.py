@@ -215,7 +215,9 @@ def test_three_updates_train_reload_and_respect_the_staleness_bound(rl_stack: di
 
 def test_judge_parse_errors_exclude_episodes_and_a_dead_judge_stops_the_run(rl_stack: dict) -> None:
     garbage = {**rl_stack, "judge": rl_stack["garbage_judge"]}
-    done = train_rl(garbage, "faults", "--updates", "1", "--max-policy-lag", "0", "--groups", "4")
+    config = rl_stack["state"] / "faults.yaml"  # settings from a file; flags on the command line win
+    config.write_text("updates: 1\nmax-policy-lag: 0\ngroups: 3\n")
+    done = train_rl(garbage, "faults", "--config", str(config), "--groups", "4")
     (m,) = lines(rl_stack["state"] / "train" / "faults" / "metrics.jsonl")
     assert done.returncode == 0, done.stdout + done.stderr
     assert m["excluded_episodes"] > 0 and m["graded_episodes"] + m["excluded_episodes"] == 4 * 2
@@ -290,7 +292,7 @@ def test_a_worker_replica_that_dies_costs_its_episodes_not_the_run(rl_stack: dic
             output, _ = run.communicate(timeout=300)
     assert run.returncode == 0, output
     metrics = lines(out / "metrics.jsonl")
-    assert [m["update"] for m in metrics] == [1, 2]
-    assert metrics[0]["reload_failed_replicas"] == 0 and metrics[1]["reload_failed_replicas"] == 1
-    assert metrics[1]["graded_episodes"] == 4  # every episode still ran, on the surviving replica
+    assert [m["update"] for m in metrics] == [1, 2], (metrics, output)
+    assert [m["reload_failed_replicas"] for m in metrics] == [0, 1], (metrics, output)
+    assert metrics[1]["graded_episodes"] == 4, (metrics, output)  # every episode ran, on the survivor
     assert f"reload of http://127.0.0.1:{http}" in output

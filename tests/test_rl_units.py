@@ -60,3 +60,18 @@ def test_zero_variance_is_about_the_trainable_rewards() -> None:
     g = Group(0, QUESTIONS[0])
     assert GroupRollout(g, 0, [], rewards={"a": 1.0, "b": 1.0}).zero_variance
     assert not GroupRollout(g, 0, [], rewards={"a": 1.0, "b": 0.0}).zero_variance
+
+
+def test_a_config_file_gives_the_settings_and_names_a_misspelt_one(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from bcstack.cli import app
+
+    config = tmp_path / "rl.yaml"
+    config.write_text("max-policy-lag: 0\ngrups: 2\n")
+    result = CliRunner().invoke(app, ["train", "rl", "--config", str(config)])
+    assert result.exit_code == 2
+    assert "unknown setting 'grups'" in result.output and "did you mean groups?" in result.output
+    config.write_text("- a list\n")
+    result = CliRunner().invoke(app, ["train", "rl", "--config", str(config)])
+    assert result.exit_code == 2 and "expected a mapping of option names" in result.output

@@ -4,16 +4,56 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import json
 import os
 from pathlib import Path
 
 import typer
+import yaml
 
 from core.kit.cli import fail
 
 
+def _load_config(ctx: typer.Context, value: Path | None) -> Path | None:
+    """--config FILE: a YAML mapping of settings, keyed by option name (`groups: 8`,
+    `max-policy-lag: 1` or `max_policy_lag: 1`); it becomes the command's defaults, so flags given on
+    the command line still win. An unknown key is an error with the closest name."""
+    if value is None:
+        return None
+    try:
+        data = yaml.safe_load(Path(value).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise typer.BadParameter(f"{value}: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{value}: expected a mapping of option names to values")
+    names = {
+        opt.lstrip("-").replace("-", "_"): param.name
+        for param in ctx.command.params
+        for opt in [*param.opts, param.name or ""]
+        if param.name not in (None, "config", "help")
+    }
+    defaults = {}
+    for key, item in data.items():
+        name = names.get(str(key).lstrip("-").replace("-", "_"))
+        if name is None:
+            close = difflib.get_close_matches(str(key).replace("-", "_"), list(names), 1)
+            hint = f" (did you mean {close[0].replace('_', '-')}?)" if close else ""
+            raise typer.BadParameter(f"{value}: unknown setting {key!r}{hint}")
+        defaults[name] = ",".join(map(str, item)) if isinstance(item, list) else item
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
 def rl(
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        is_eager=True,
+        callback=_load_config,
+        help="A YAML file of these settings, keyed by option name (e.g. `groups: 8`); flags given "
+        "on the command line win.",
+    ),
     state: Path | None = typer.Option(
         None,
         "--state",

@@ -415,6 +415,7 @@ class RLRun:
             "accuracy": statistics.fmean(1.0 if r > 0 else 0.0 for r in graded) if graded else None,
             "graded_episodes": len(graded),
             "zero_variance_groups": sum(1 for r in batch if r.zero_variance),
+            "zero_variance_fraction": sum(1 for r in batch if r.zero_variance) / len(batch),
             "excluded_episodes": counts["excluded_episodes"],
             "rejected_trajectories": counts["rejected_trajectories"],
             "dropped_mixed": counts["dropped_mixed"],
