@@ -26,6 +26,7 @@ from services.retrieval.loadtest_cli import app as loadtest_app
 from services.worker import cli as worker_cli
 from services.worker import reload_cli
 from trainer import cli as trainer_cli
+from trainer import sft_cli
 
 app = typer.Typer(
     name="bcstack",
@@ -56,8 +57,10 @@ app.command("search")(retrieval_cli.search)
 app.add_typer(loadtest_app, name="loadtest")
 app.add_typer(eval_app, name="eval")
 train_app = typer.Typer(
-    help="The trainer: GRPO steps from episode records, serving-format export.", no_args_is_help=True
+    help="The trainer: SFT, GRPO steps from episode records, the RL loop, serving-format export.",
+    no_args_is_help=True,
 )
+train_app.command("sft")(sft_cli.sft)
 train_app.command("grpo")(trainer_cli.grpo)
 train_app.command("rl")(rl_cli.rl)
 train_app.command("report")(rl_report.report)
@@ -85,19 +88,79 @@ def up(
     questions_per_tier: int = typer.Option(
         50, "--questions-per-tier", help="Toy test questions per tier, when the world has to be built."
     ),
+    world: Path = typer.Option(
+        None,
+        "--world",
+        metavar="DIR",
+        help="An existing toy world (corpus.jsonl, questions.jsonl), used as it is; default: STATE/world.",
+    ),
+    kit: Path = typer.Option(
+        None,
+        "--kit",
+        metavar="DIR",
+        help="An existing tiny kit (config.json and tokenizer): the worker's tokenizer and, with --worker "
+        "tiny, the model; used as it is; default: STATE/tiny.",
+    ),
+    index: Path = typer.Option(
+        None,
+        "--index",
+        metavar="DIR",
+        help="An existing complete retrieval index (`bcstack index`), used as it is; default: STATE/index.",
+    ),
+    dense: str = typer.Option(
+        None,
+        "--dense",
+        metavar="edge|none",
+        help="Dense backend of an index built here (`bcstack index --dense`); none: lexical only, "
+        "much faster to build. Default: edge.",
+    ),
+    worker_setting: list[str] = typer.Option(
+        [],
+        "--worker-setting",
+        metavar="KEY=VALUE",
+        help="A worker setting (`bcstack serve worker --help`), e.g. snippet_words=24; repeatable.",
+    ),
+    engine_setting: list[str] = typer.Option(
+        [],
+        "--engine-setting",
+        metavar="KEY=VALUE",
+        help="An engine setting (`bcstack serve engine --help`), e.g. max_running_requests=4; repeatable.",
+    ),
+    records: Path = typer.Option(
+        None,
+        "--records",
+        metavar="FILE",
+        help="The gateway's episode record file; default: STATE/records.sqlite.",
+    ),
 ) -> None:
     """Start the whole stack on embedded defaults as local processes; build what is missing first.
 
     Retrieval, the engine, the worker, the scripted coordinator LLM, the coordinator gateway and
     the judge (rule) start on loopback ports (the default ports when free); their URLs and pids go
-    to STATE/stack.json, their logs to STATE/logs/. Stop them with `bcstack down`.
+    to STATE/stack.json, their logs to STATE/logs/. Stop them with `bcstack down`. A --world,
+    --kit or --index given is used as it is instead of building one under STATE; the
+    --worker-setting / --engine-setting values are checked against those services' settings
+    before anything starts and reach them as their `bcstack serve` options.
     """
-    from bcstack.stack import StackError
+    from bcstack.stack import StackError, parse_settings
     from bcstack.stack import up as stack_up
     from core.kit.cli import fail
 
     try:
-        info = stack_up(state, worker=worker, docs=docs, seed=seed, questions_per_tier=questions_per_tier)
+        info = stack_up(
+            state,
+            worker=worker,
+            docs=docs,
+            seed=seed,
+            questions_per_tier=questions_per_tier,
+            world=world,
+            kit=kit,
+            index=index,
+            dense=dense,
+            worker_settings=parse_settings("--worker-setting", worker_setting),
+            engine_settings=parse_settings("--engine-setting", engine_setting),
+            records=records,
+        )
     except StackError as e:
         fail(str(e))
     gateway = info["services"]["coordinator"]["http"]
@@ -125,6 +188,67 @@ def down(
     except StackError as e:
         fail(str(e))
     typer.echo(f"stack down: {n} service(s) stopped")
+
+
+records_app = typer.Typer(help="Episode record files of the coordinator gateway.", no_args_is_help=True)
+app.add_typer(records_app, name="records")
+
+RECORD_FORMATS = ("jsonl", "sqlite")
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+@records_app.command("export")
+def records_export(
+    records: Path = typer.Option(
+        ..., "--records", metavar="FILE", help="The gateway's record file (may be in use by a running stack)."
+    ),
+    out: Path = typer.Option(..., "--out", metavar="FILE", help="Where the copy goes (replaced when there)."),
+    fmt: str = typer.Option(
+        "jsonl",
+        "--format",
+        metavar="jsonl|sqlite",
+        help="jsonl: one record per line, oldest first; sqlite: a consistent copy of the record file.",
+    ),
+) -> None:
+    """Copy every episode record out of a record file, consistently even while the gateway writes it.
+
+    A plain `cp` of the live file can miss what SQLite still holds in its -wal file; both formats
+    are read by `bcstack train` (trainer/data.py).
+    """
+    import contextlib
+    import sqlite3
+
+    from core.kit.cli import fail
+    from core.record_store import RecordStore, RecordStoreError
+
+    if fmt not in RECORD_FORMATS:
+        fail(f"--format {fmt}: choose {' or '.join(RECORD_FORMATS)}")
+    if not records.is_file():
+        fail(f"--records {records}: no such file")
+    if out.resolve() == records.resolve():
+        fail("--out is the record file itself; give another path")
+    with records.open("rb") as f:
+        is_sqlite = f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
+    if not is_sqlite:
+        fail(f"--records {records}: not a record store (not a SQLite file)")
+    # Checked read-only first: opening a RecordStore switches a database to WAL, which a file that
+    # is not a record store (a judge cache, say) should not have done to it.
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{records}?mode=ro", uri=True)) as conn:
+            has_table = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'episodes'"
+            ).fetchone()
+    except sqlite3.Error as e:
+        fail(f"--records {records}: cannot read it ({e})")
+    if not has_table:
+        fail(f"--records {records}: not a record store (no episodes table)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with RecordStore(records) as store:
+            n = store.export(out, fmt=fmt)
+    except (RecordStoreError, OSError) as e:
+        fail(f"--records {records}: {e}")
+    typer.echo(f"{n} record(s) written to {out} ({fmt})")
 
 
 def _version(value: bool) -> None:

@@ -8,12 +8,13 @@
 3. The stack again with the untrained tiny model as the worker, over the same 150 questions. An
    untrained model writes until its budget runs out, and the tiny model decodes a few hundred
    tokens per second per sequence on this CPU (the CPU engine batches 16), so this round runs
-   with a small worker budget (2,048 tokens, 8 turns) and one branch per question; the output
-   says so. `--sample-per-tier N` evaluates only the first N questions of each tier.
+   with a small worker budget and one branch per question: as many tokens as the expert's longest
+   trajectory (so a perfect model would fit), 8 turns; the output says so. `--sample-per-tier N`
+   evaluates only the first N questions of each tier.
 4. Both seed-001 tables, the paired comparison on the sampled questions, the PNGs, the
    /metrics URLs; then `bcstack down`.
 
-    python -m bcstack.demo [--state .bcstack-demo] [--sample-per-tier 50] [--tiny-max-tokens 2048]
+    python -m bcstack.demo [--state .bcstack-demo] [--sample-per-tier 50] [--tiny-max-tokens N]
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ def sample(questions: list[EvalQuestion], per_tier: int) -> list[EvalQuestion]:
     return chosen
 
 
+def longest_expert_trajectory(records: Path) -> int:
+    """Tokens of the longest worker trajectory among the expert round's episode records."""
+    from core.record_store import RecordStore
+
+    with RecordStore(records) as store:
+        return max(
+            (
+                len((w.get("trajectory") or {}).get("token_ids", []))
+                for r in store.iter_records()
+                for w in r.get("workers", [])
+            ),
+            default=0,
+        )
+
+
 def _stage(text: str, t0: float) -> None:
     print(f"\n== {text}  [{time.monotonic() - t0:5.0f} s]", flush=True)
 
@@ -56,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         "--sample-per-tier", type=int, default=50, help="questions per tier for the tiny model"
     )
     parser.add_argument(
-        "--tiny-max-tokens", type=int, default=2048, help="tiny worker's episode token budget"
+        "--tiny-max-tokens",
+        type=int,
+        default=None,
+        help="tiny worker's episode token budget (default: the expert's longest trajectory, rounded up "
+        "to 64)",
     )
     parser.add_argument("--tiny-max-turns", type=int, default=8, help="tiny worker's turns per episode")
     parser.add_argument("--concurrency", type=int, default=16, help="episodes in flight")
@@ -83,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             label="expert",
         )  # fmt: skip
         down(state, say=lambda s: None)
+        longest = longest_expert_trajectory(state / "records.sqlite")
+        if args.tiny_max_tokens is None:
+            # A perfect tiny model must fit: the budget is the expert's longest trajectory, not a guess.
+            args.tiny_max_tokens = -(-longest // 64) * 64
 
         picked = sample(questions, args.sample_per_tier)
         which = (

@@ -4,16 +4,23 @@
     down(Path(".bcstack"))                         # stops every process (SIGTERM, then SIGKILL)
 
 What `up` builds under the state directory when it is missing: the toy world (`world/`), the tiny
-model (`tiny/`) and the retrieval index (`index/`). What it starts, each its own process group
-with its log in `logs/`: retrieval, the engine (the scripted expert, the untrained tiny model, or
-a checkpoint folder), the worker, the scripted coordinator LLM, the coordinator gateway and the
-judge (rule). `stack.json` (DESIGN.md §8) records every service's URLs and pid; `admin-token`
-(mode 0600) holds the admin token the services share. A second `up` while a stack runs refuses.
+model (`tiny/`) and the retrieval index (`index/`). An existing world, tiny kit or index given
+with `world=`, `kit=`, `index=` is used as it is: checked, never rebuilt or written to. What it
+starts, each its own process group with its log in `logs/`: retrieval, the engine (the scripted
+expert, the untrained tiny model, or a checkpoint folder), the worker, the scripted coordinator
+LLM, the coordinator gateway and the judge (rule). `worker_settings=` / `engine_settings=`
+(setting name -> value) reach those two as their `bcstack serve` options, checked against their
+settings classes before anything starts. `stack.json` (DESIGN.md §8) records every service's URLs
+and pid, the assets and the settings given; `admin-token` (mode 0600) holds the admin token the
+services share. A second `up` while a stack runs refuses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
+import functools
+import inspect
 import json
 import os
 import secrets
@@ -22,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +48,13 @@ DEFAULT_PORTS = {
     "judge": (8005, 50055),
 }
 START_ORDER = tuple(DEFAULT_PORTS)  # dependencies first; `down` stops in reverse
+DENSE_CHOICES = ("edge", "none")  # the embedded dense backends `up` can build an index with
+# Settings `plan` gives these services itself (ports, the services they talk to, the assets): a
+# second value would silently fight it, so `worker_settings` / `engine_settings` refuse them.
+MANAGED_SETTINGS = {
+    "worker": ("port", "grpc_port", "engine_url", "retrieval_address", "tokenizer", "checkpoint_root"),
+    "engine": ("port", "model", "tokenizer", "policy", "world"),
+}
 
 
 class StackError(RuntimeError):
@@ -114,6 +128,117 @@ def running_pids(info: dict[str, Any]) -> dict[str, int]:
     }
 
 
+@functools.cache
+def _serve_options(service: str) -> tuple[type, dict[str, str]]:
+    """The settings class of `bcstack serve <service>` and each setting's option, as its command has them."""
+    if service == "worker":
+        from services.worker.cli import serve
+        from services.worker.settings import WorkerSettings as cls
+    elif service == "engine":
+        from services.engine.cli import serve
+        from services.engine.settings import EngineSettings as cls
+    else:
+        raise ValueError(f"no settings for service {service!r}")
+    # The options the serve factory built from the fields (core/kit/cli.py): what the service's
+    # command line really accepts, so secrets and omitted settings have none.
+    options = {
+        name: param.default.param_decls[0]
+        for name, param in inspect.signature(serve).parameters.items()
+        if getattr(param.default, "param_decls", None)
+    }
+    return cls, options
+
+
+def check_settings(service: str, given: Mapping[str, Any] | None) -> dict[str, str]:
+    """`given` (setting name -> value) checked against the worker's or engine's settings class.
+
+    Returns the text each value takes on the service's command line, by setting name (a boolean
+    is true or false, as `bcstack serve` options take it). StackError, one line, for a name that
+    is no setting (naming the closest one), a setting `up` sets itself, a secret, or a bad value
+    (pydantic's message).
+    """
+    from pydantic import ValidationError
+
+    if not given:
+        return {}
+    cls, options = _serve_options(service)
+    flag = f"--{service}-setting"
+    texts: dict[str, str] = {}
+    for key, value in given.items():
+        name = str(key).strip().replace("-", "_").lower()
+        if name in MANAGED_SETTINGS[service]:
+            raise StackError(f"{flag} {key}: `bcstack up` sets it itself")
+        if name not in cls.model_fields:
+            choices = sorted(
+                n for n in options if n in cls.model_fields and n not in MANAGED_SETTINGS[service]
+            )
+            close = difflib.get_close_matches(name, choices, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; see `bcstack serve {service} --help`"
+            raise StackError(f"{flag} {key}: no such {service} setting{hint}")
+        if name not in options:
+            from core.kit.settings import env_var_name
+
+            raise StackError(
+                f"{flag} {key}: not a command-line option of `bcstack serve {service}`; "
+                f"set {env_var_name(cls, name)} in the environment of `bcstack up` instead"
+            )
+        if value is None:
+            raise StackError(f"{flag} {key}: needs a value")
+        if isinstance(value, bool):
+            value = "true" if value else "false"
+        elif isinstance(value, list | tuple | dict):
+            value = json.dumps(value)
+        texts[name] = str(value)
+    try:
+        cls(**texts)  # validated as the service will: these values, plus its environment variables
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors(include_url=False):
+            name = str((err.get("loc") or ("?",))[0])
+            where = f"{flag} {name}={texts[name]}" if name in texts else f"{service} setting {name}"
+            problems.append(f"{where}: {err['msg']}")
+        raise StackError("; ".join(problems)) from None
+    return texts
+
+
+def setting_flags(service: str, settings: Mapping[str, Any] | None) -> list[str]:
+    """`settings` as the `bcstack serve <service>` command-line options: ["--snippet-words", "24", ...]."""
+    _, options = _serve_options(service)
+    return [arg for name, text in check_settings(service, settings).items() for arg in (options[name], text)]
+
+
+def parse_settings(flag: str, items: Iterable[str]) -> dict[str, str]:
+    """KEY=VALUE command-line items as a mapping (a repeated key: the last one wins)."""
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise StackError(f"{flag} takes KEY=VALUE, not {item!r}")
+        settings[key.strip()] = value
+    return settings
+
+
+def check_assets(
+    *, world: Path | None = None, kit: Path | None = None, index: Path | None = None, dense: str | None = None
+) -> None:
+    """StackError (one line) when a given world, tiny kit or index folder is not one, or `dense` unknown."""
+    if dense is not None and dense not in DENSE_CHOICES:
+        raise StackError(f"--dense {dense}: choose {' or '.join(DENSE_CHOICES)}")
+    if world is not None:
+        missing = [f for f in ("corpus.jsonl", "questions.jsonl") if not (world / f).is_file()]
+        if missing:
+            raise StackError(f"--world {world}: not a toy world folder (no {' or '.join(missing)})")
+    if kit is not None:
+        if not (kit / "config.json").is_file():
+            raise StackError(f"--kit {kit}: not a model folder (no config.json)")
+        if not any((kit / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise StackError(f"--kit {kit}: no tokenizer (no tokenizer.json or tokenizer_config.json)")
+    if index is not None:
+        problem = _index_problem(index)
+        if problem:
+            raise StackError(f"--index {index}: {problem}")
+
+
 def ensure_assets(
     state: Path,
     *,
@@ -122,16 +247,26 @@ def ensure_assets(
     questions_per_tier: int,
     say: Callable[[str], None],
     train_questions: tuple[int, int] = (100, 50),
+    world: Path | None = None,
+    kit: Path | None = None,
+    index: Path | None = None,
+    dense: str | None = None,
 ) -> dict[str, Path]:
-    """The toy world, the tiny model and the index under `state`, built when missing.
+    """The toy world, the tiny model and the index: the given ones, else built under `state` when missing.
 
-    `train_questions` is the toy train split (medium, hard) made with a new world.
+    `train_questions` is the toy train split (medium, hard) made with a new world. `dense` is the
+    dense backend of an index built here (`bcstack index --dense`; unset: its default, edge); an
+    index already there built with another one is refused rather than silently used.
     """
     from devkit.modelkit.build import build_tiny_kit
     from devkit.toyworld.generator import ToyWorldError, generate_world, write_world
 
-    world, tiny, index = state / "world", state / "tiny", state / "index"
-    if not (world / "corpus.jsonl").is_file():
+    check_assets(world=world, kit=kit, index=index, dense=dense)
+    world_given, index_given = world is not None, index is not None
+    world = world or state / "world"
+    tiny = kit or state / "tiny"
+    index = index or state / "index"
+    if not world_given and not (world / "corpus.jsonl").is_file():
         say(
             f"building the toy world ({docs:,} documents, {questions_per_tier} test questions per tier) "
             f"in {world}"
@@ -144,39 +279,71 @@ def ensure_assets(
         except ToyWorldError as e:
             raise StackError(f"cannot build the toy world: {e}") from None
         write_world(made, world)
-    if not (tiny / "config.json").is_file():
+    if kit is None and not (tiny / "config.json").is_file():
         say(f"building the tiny Qwen3 model in {tiny}")
-        build_tiny_kit(tiny, corpus_path=world / "corpus.jsonl", seed=seed)
-    if not (index / "manifest.json").is_file() or _index_incomplete(index):
+        # The fixed toy text, not this world's corpus: one kit serves every toy world.
+        build_tiny_kit(tiny, seed=seed)
+    if not index_given and _index_problem(index):
         say(f"indexing the corpus into {index}")
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "bcstack",
-                "index",
-                "--corpus",
-                str(world / "corpus.jsonl"),
-                "--index-dir",
-                str(index),
-            ],
-            check=False,
-        )
+        args = ["--corpus", str(world / "corpus.jsonl"), "--index-dir", str(index)]
+        if dense is not None:
+            args += ["--dense", dense]
+        result = subprocess.run([sys.executable, "-m", "bcstack", "index", *args], check=False)
         if result.returncode != 0:
             raise StackError(f"indexing failed (exit {result.returncode}); see the output above")
+    manifest = _read_manifest(index) or {}
+    if dense is not None and manifest.get("dense") != dense:
+        raise StackError(
+            f"the index {index} was built with dense {manifest.get('dense')!r}, not {dense!r}; "
+            + ("give another --index" if index_given else "remove it to rebuild it, or use another --state")
+        )
+    corpus_bytes = manifest.get("corpus", {}).get("bytes")
+    if corpus_bytes is not None and corpus_bytes != (world / "corpus.jsonl").stat().st_size:
+        say(f"note: the index {index} was built from another corpus than {world / 'corpus.jsonl'}")
     return {"world": world, "tiny": tiny, "index": index}
 
 
-def _index_incomplete(index: Path) -> bool:
+def _resolved(path: Path | None) -> Path | None:
+    return Path(path).resolve() if path is not None else None
+
+
+def _read_manifest(index: Path) -> dict[str, Any] | None:
     try:
         manifest = json.loads((index / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError):
-        return True
-    return not manifest.get("complete")
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
-def plan(state: Path, assets: dict[str, Path], worker: str, token: str) -> list[Service]:
-    """The services `up` starts, with their command lines and ports."""
+def _index_problem(index: Path) -> str | None:
+    """Why `index` is not a complete retrieval index, or None."""
+    if not (index / "manifest.json").is_file():
+        return "not an index folder (no manifest.json)"
+    manifest = _read_manifest(index)
+    if manifest is None:
+        return "its manifest.json is unreadable"
+    if not manifest.get("complete"):
+        return "an incomplete index (its manifest.json says complete: false); finish it with `bcstack index`"
+    return None
+
+
+def plan(
+    state: Path,
+    assets: dict[str, Path],
+    worker: str,
+    token: str,
+    *,
+    worker_settings: Mapping[str, Any] | None = None,
+    engine_settings: Mapping[str, Any] | None = None,
+    records: Path | None = None,
+) -> list[Service]:
+    """The services `up` starts, with their command lines and ports.
+
+    `worker_settings` / `engine_settings` (setting name -> value) go to those services as their
+    options (see `check_settings`); `records` is the gateway's record file (default STATE/records.sqlite).
+    """
+    worker_flags = setting_flags("worker", worker_settings)
+    engine_flags = setting_flags("engine", engine_settings)
     taken: set[int] = set()
     ports = {
         name: (_pick_port(h, taken), _pick_port(g, taken) if g else None)
@@ -203,7 +370,7 @@ def plan(state: Path, assets: dict[str, Path], worker: str, token: str) -> list[
         return Service(name, full, http, grpc_port, env=dict(env))
 
     retrieval = svc("retrieval", ["--index-dir", str(assets["index"])])
-    engine = svc("engine", engine_args)
+    engine = svc("engine", [*engine_args, *engine_flags])
     worker_svc = svc(
         "worker",
         [
@@ -216,6 +383,7 @@ def plan(state: Path, assets: dict[str, Path], worker: str, token: str) -> list[
             # `bcstack train rl --state` writes its exports under STATE/train; the worker reloads them.
             "--checkpoint-root",
             str(state / TRAIN_DIR),
+            *worker_flags,
         ],  # fmt: skip
     )
     llm = svc("coordinator-llm", ["--policy", "scripted"])
@@ -224,7 +392,7 @@ def plan(state: Path, assets: dict[str, Path], worker: str, token: str) -> list[
         [
             "--coordinator-url", f"{llm.http}/v1",
             "--workers", worker_svc.grpc or "",
-            "--records", str(state / "records.sqlite"),
+            "--records", str(records or state / "records.sqlite"),
         ],
     )  # fmt: skip
     judge = svc("judge", ["--cache", str(state / "judge-cache.sqlite")])
@@ -253,10 +421,30 @@ def up(
     seed: int = 0,
     questions_per_tier: int = 50,
     train_questions: tuple[int, int] = (100, 50),
+    world: Path | None = None,
+    kit: Path | None = None,
+    index: Path | None = None,
+    dense: str | None = None,
+    worker_settings: Mapping[str, Any] | None = None,
+    engine_settings: Mapping[str, Any] | None = None,
+    records: Path | None = None,
     timeout: float = 300.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Build what is missing, start every service, wait until all are healthy; return stack.json's content."""
+    """Build what is missing, start every service, wait until all are healthy; return stack.json's content.
+
+    world / kit / index: an existing toy world, tiny kit (the tokenizer; with worker="tiny" also
+    the model) and retrieval index, used as they are instead of the ones under `state`. dense: the
+    dense backend (edge or none) of an index `up` builds. worker_settings / engine_settings: those
+    services' settings by name (`{"snippet_words": "24"}`). records: the gateway's record file.
+    Everything given is checked before anything is built or started.
+    """
+    world, kit, index, records = (_resolved(p) for p in (world, kit, index, records))
+    settings = {
+        "worker": check_settings("worker", worker_settings),
+        "engine": check_settings("engine", engine_settings),
+    }
+    check_assets(world=world, kit=kit, index=index, dense=dense)
     state = state.resolve()
     state.mkdir(parents=True, exist_ok=True)
     info = read_state(state)
@@ -275,14 +463,32 @@ def up(
         questions_per_tier=questions_per_tier,
         say=say,
         train_questions=train_questions,
+        world=world,
+        kit=kit,
+        index=index,
+        dense=dense,
     )
+    records = records or state / "records.sqlite"
     token_path = state / TOKEN_FILE
     if not token_path.is_file():
         token_path.write_text(secrets.token_urlsafe(24) + "\n")
         token_path.chmod(0o600)
     token = token_path.read_text().strip()
     (state / TRAIN_DIR).mkdir(exist_ok=True)
-    services = plan(state, assets, worker, token)
+    services = plan(
+        state,
+        assets,
+        worker,
+        token,
+        worker_settings=settings["worker"],
+        engine_settings=settings["engine"],
+        records=records,
+    )
+    described = {
+        "worker": worker,
+        "assets": {**{k: str(v) for k, v in assets.items()}, "records": str(records)},
+        "settings": settings,
+    }
     logs = state / "logs"
     logs.mkdir(exist_ok=True)
     started: list[Service] = []
@@ -299,7 +505,7 @@ def up(
             log.close()
             service.pid = proc.pid
             started.append(service)
-            _write_state(state, started, worker)
+            _write_state(state, started, described)
             deadline = time.monotonic() + timeout
             while not _healthy(service.http):
                 if proc.poll() is not None:
@@ -315,12 +521,13 @@ def up(
         _stop(started)
         (state / STATE_FILE).unlink(missing_ok=True)
         raise
-    return _write_state(state, started, worker)
+    return _write_state(state, started, described)
 
 
-def _write_state(state: Path, services: list[Service], worker: str) -> dict[str, Any]:
+def _write_state(state: Path, services: list[Service], described: dict[str, Any]) -> dict[str, Any]:
+    """stack.json: `described` (the worker, the assets, the settings given) and every service started."""
     info = {
-        "worker": worker,
+        **described,
         "state": str(state),
         "admin_token_file": str(state / TOKEN_FILE),
         "services": {s.name: {"http": s.http, "grpc": s.grpc, "pid": s.pid} for s in services},

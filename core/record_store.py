@@ -15,10 +15,12 @@ not an overwrite.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +177,55 @@ class RecordStore:
     def count(self) -> int:
         with self._lock:
             return self._query("SELECT count(*) FROM episodes", ()).fetchone()[0]
+
+    def iter_records(self) -> Iterator[dict[str, Any]]:
+        """Every record, oldest first (the order episodes finished), read in one snapshot."""
+        with self._lock:
+            rows = self._query(
+                "SELECT episode_id, body FROM episodes ORDER BY created_at, rowid", ()
+            ).fetchall()
+        for episode_id, body in rows:
+            try:
+                yield json.loads(zlib.decompress(body))
+            except (zlib.error, ValueError) as exc:
+                raise RecordStoreError(f"episode {episode_id} in {self.path} is damaged: {exc}") from None
+
+    def export(self, out: Path, *, fmt: str = "jsonl") -> int:
+        """Write every record to `out` and return how many: "jsonl" (one record per line, oldest first)
+        or "sqlite" (a consistent copy through SQLite's online backup API, WAL contents included: a
+        plain `cp` of a live WAL database misses what is still in the -wal file).
+
+        Written beside `out` and renamed into place, so `out` is whole or absent.
+        """
+        if fmt not in ("jsonl", "sqlite"):
+            raise ValueError(f"export format must be jsonl or sqlite, not {fmt!r}")
+        out = Path(out)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        try:
+            if fmt == "jsonl":
+                n = 0
+                with tmp.open("w", encoding="utf-8") as f:
+                    for record in self.iter_records():
+                        f.write(json.dumps(record, separators=(",", ":")) + "\n")
+                        n += 1
+                    f.flush()
+                    os.fsync(f.fileno())
+            else:
+                target = sqlite3.connect(tmp)
+                try:
+                    with self._lock:
+                        self._connection().backup(target)
+                    n = target.execute("SELECT count(*) FROM episodes").fetchone()[0]
+                    target.execute("PRAGMA journal_mode=DELETE")
+                finally:
+                    target.close()
+            os.replace(tmp, out)
+        except sqlite3.Error as exc:
+            raise RecordStoreError(f"cannot export {self.path} to {out}: {exc}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        return n
 
     def _query(self, sql: str, params: tuple[Any, ...]) -> sqlite3.Cursor:
         try:

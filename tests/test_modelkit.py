@@ -355,6 +355,6 @@ def test_default_corpus_is_the_toy_world(monkeypatch: pytest.MonkeyPatch) -> Non
     fake.generate_world = generate_world
     monkeypatch.setitem(sys.modules, "devkit.toyworld.generator", fake)
     corpus = toy_world_corpus()
-    assert calls == [DEFAULT_TOY_WORLD] == [{"n_docs": 2000, "seed": 0}]
+    assert calls == [DEFAULT_TOY_WORLD] == [{"n_docs": 2000, "seed": 7919}]
     assert corpus.source == "toyworld"
     assert corpus.documents == [{"docid": "7", "text": "Kalo Ter", "url": "https://toy.example/7"}]

@@ -1,4 +1,4 @@
-"""The RL run's metrics sinks (bcstack/rl/sinks.py) and `bcstack train report` (bcstack/rl/report.py).
+"""The RL run's metrics sinks (trainer/sinks.py) and `bcstack train report` (bcstack/rl/report.py).
 
 Each sink is read back the way a user would see it: metrics.jsonl line by line, TensorBoard's own
 event reader, a Prometheus scrape over HTTP, the bytes of an offline wandb run, the PNG as an image.
@@ -21,7 +21,7 @@ from conftest import LOOPBACK, find_free_port
 from prometheus_client.parser import text_string_to_metric_families
 from scipy.stats import binomtest
 
-from bcstack.rl.sinks import (
+from trainer.sinks import (
     COUNTERS,
     GAUGES,
     METRIC_PREFIX,

@@ -266,3 +266,15 @@ def test_coordinator_retries_an_exhausted_worker_then_gives_up(world, env):
     final, messages = _coordinate(world.test[0]["query"], env, worker=idle_worker)
     branches = sum(1 for m in messages if m["role"] == "assistant" and "<function=branch>" in m["content"])
     assert branches == 2 and final.answer == "unknown"
+
+
+def test_train_questions_never_read_a_test_page():
+    world = generate_world(6000, 3, questions_per_tier=20, train_easy=600, train_medium=200, train_hard=60)
+    assert world.manifest()["train_tiers"] == {"easy": 600, "medium": 200, "hard": 60}
+    test_docs = {d["docid"] for q in world.test for d in q["evidence_docs"]}
+    train_docs = {d["docid"] for q in world.train for d in q["evidence_docs"]}
+    assert test_docs and train_docs and not test_docs & train_docs
+    assert {q["data_source"] for q in world.train} == {"bc_train_easy", "bc_train_meduim", "bc_train_hard"}
+    # A world made only for training questions.
+    only_train = generate_world(3000, 4, questions_per_tier=0, train_easy=300, train_medium=0, train_hard=0)
+    assert only_train.test == [] and len(only_train.train) == 300

@@ -152,10 +152,10 @@ def rl(
     from bcstack.evaluation.loaders import LoaderError, load_questions
     from bcstack.rl.loop import RLConfig, RLError, RLRun
     from bcstack.rl.rollouts import RolloutError
-    from bcstack.rl.sinks import SinkError
     from services.worker.rolling import ReplicaDiscoveryError, k8s_worker_urls, parse_worker_urls
     from trainer.grpo import GRPOError
     from trainer.parallel import refuse_multi_rank
+    from trainer.sinks import SinkError
 
     try:
         refuse_multi_rank("bcstack train rl")

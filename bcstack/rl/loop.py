@@ -48,7 +48,6 @@ from typing import Any
 
 from bcstack.rl.rollouts import GroupRollout, StackClient, weight_version
 from bcstack.rl.sampler import Group, GroupSampler
-from bcstack.rl.sinks import RunSinks, read_metrics
 from core.atomic import atomic_write_text
 from services.worker.rolling import rolling_reload
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -65,6 +64,7 @@ from trainer.grpo import (
     make_optimizer,
     sample_credit,
 )
+from trainer.sinks import RunSinks, read_metrics
 
 # A fault-injection hook for the crash-safety tests, like the coordinator LLM's seeded faults:
 # BCSTACK_RL_CRASH_AT=PHASE:UPDATE SIGKILLs the process at that point of that update (PHASE:

@@ -21,8 +21,8 @@ from typing import Any
 
 import typer
 
-from bcstack.rl.sinks import METRICS_FILE, MetricsFileError, read_metrics
 from core.kit.cli import fail
+from trainer.sinks import METRICS_FILE, MetricsFileError, read_metrics
 
 REPORT_FILES = {"png": "report.png", "markdown": "report.md"}
 # The rows of report.md's table, when present; both spellings of the throughput keys are read.

@@ -44,7 +44,8 @@ def tiny(
         "--corpus",
         help=(
             "BrowseComp-Plus corpus JSONL (one object per line with docid, text, url) to train the tokenizer "
-            "on. Default: the toy world's corpus, generate_world(n_docs=2000, seed=0)."
+            "on. Default: the fixed toy text (the corpus and questions of generate_world(n_docs=2000, "
+            "seed=7919), a world kept for the tokenizer), so one kit serves every toy world."
         ),
         show_default=False,
     ),
@@ -55,11 +56,19 @@ def tiny(
         min=256,
         help="Byte-level BPE vocabulary (256 bytes + merges); Qwen3's 9 added tokens come on top.",
     ),
+    hidden_size: int = typer.Option(64, "--hidden-size", min=8, help="Model width."),
+    layers: int = typer.Option(2, "--layers", min=1, help="Decoder layers."),
+    heads: int = typer.Option(4, "--heads", min=1, help="Query heads (head size = hidden / heads)."),
+    kv_heads: int = typer.Option(2, "--kv-heads", min=1, help="Key/value heads (GQA; divides --heads)."),
+    intermediate_size: int | None = typer.Option(
+        None, "--intermediate-size", min=8, help="MLP width. Default: 3 x hidden.", show_default=False
+    ),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder."),
 ) -> None:
     """Build the tiny model kit (see _TINY_HELP)."""
     from devkit.modelkit.build import MANIFEST_FILE, OutputDirError, build_tiny_kit
     from devkit.modelkit.corpus import CorpusError
+    from devkit.modelkit.model import TinyQwen3Shape
 
     console = Console(stderr=True)
     started = time.perf_counter()
@@ -78,9 +87,26 @@ def tiny(
             stage.update(name=description, at=time.perf_counter())
             status.update(f"{description} …")
 
+        if hidden_size % heads or heads % kv_heads:
+            console.print("[red]error:[/] --hidden-size must divide by --heads, and --heads by --kv-heads")
+            raise typer.Exit(code=1)
+        shape = TinyQwen3Shape(
+            hidden_size=hidden_size,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=hidden_size // heads,
+            intermediate_size=intermediate_size or 3 * hidden_size,
+        )
         try:
             manifest = build_tiny_kit(
-                out, corpus_path=corpus, seed=seed, bpe_vocab_size=vocab_size, force=force, step=step
+                out,
+                corpus_path=corpus,
+                seed=seed,
+                bpe_vocab_size=vocab_size,
+                shape=shape,
+                force=force,
+                step=step,
             )
         except (CorpusError, OutputDirError) as error:
             console.print("[red]error:[/]", escape(str(error)), highlight=False, soft_wrap=True)

@@ -18,8 +18,12 @@ def generate(
     docs: int = typer.Option(2000, "--docs", min=1, help="Number of documents in corpus.jsonl."),
     seed: int = typer.Option(0, "--seed", help="Random seed: the same seed gives byte-identical files."),
     per_tier: int = typer.Option(
-        50, "--questions-per-tier", min=1, help="Test questions per tier (easy/medium/hard)."
+        50,
+        "--questions-per-tier",
+        min=0,
+        help="Test questions per tier (easy/medium/hard); 0 for a world that only gives training questions.",
     ),
+    train_easy: int = typer.Option(0, "--train-easy", min=0, help="Easy questions in the train split."),
     train_medium: int = typer.Option(
         100, "--train-medium", min=0, help="Medium questions in the train split."
     ),
@@ -28,7 +32,8 @@ def generate(
     """Write corpus.jsonl, questions.jsonl (test split), train.jsonl, TREC qrels and world.json.
 
     Easy questions need one document, medium two hops, hard three hops through pages that have
-    near-duplicate distractors. Every answer is unique and checked against the corpus.
+    near-duplicate distractors. Every answer is unique and checked against the corpus. No train
+    question reads a document that a test question reads.
     """
     import time
 
@@ -41,7 +46,12 @@ def generate(
     try:
         with console.status(f"generating {docs:,} documents (seed {seed})"):
             world = generate_world(
-                docs, seed, questions_per_tier=per_tier, train_medium=train_medium, train_hard=train_hard
+                docs,
+                seed,
+                questions_per_tier=per_tier,
+                train_easy=train_easy,
+                train_medium=train_medium,
+                train_hard=train_hard,
             )
             write_world(world, out)
     except ToyWorldError as e:

@@ -118,6 +118,7 @@ class World:
 
     def manifest(self) -> dict:
         tiers = {t: sum(1 for q in self.test if q["data_source"] == TEST_SOURCES[t]) for t in TIERS}
+        train_tiers = {t: sum(1 for q in self.train if q["data_source"] == TRAIN_SOURCES[t]) for t in TIERS}
         return {
             "generator": "bcstack toyworld",
             "version": GENERATOR_VERSION,
@@ -126,6 +127,7 @@ class World:
             "test_questions": len(self.test),
             "test_tiers": tiers,
             "train_questions": len(self.train),
+            "train_tiers": train_tiers,
         }
 
 
@@ -151,8 +153,10 @@ class _Names:
 
 
 class _Builder:
-    def __init__(self, n_docs: int, seed: int, per_tier: int, train_medium: int, train_hard: int) -> None:
-        n_questions = 3 * per_tier + train_medium + train_hard
+    def __init__(
+        self, n_docs: int, seed: int, per_tier: int, train_medium: int, train_hard: int, train_easy: int = 0
+    ) -> None:
+        n_questions = 3 * per_tier + train_easy + train_medium + train_hard
         # Room for the near-duplicates of every hard chain (at most two per page, three pages).
         reserve = (per_tier + train_hard) * 3 * max(NAMESAKES_PER_HARD_PERSON, NAMESAKES_PER_HARD_ARTIFACT)
         needed = max(MIN_DOCS, reserve + MIN_DOCS + 2 * n_questions)
@@ -166,6 +170,7 @@ class _Builder:
         self.n_docs = n_docs
         self.seed = seed
         self.per_tier = per_tier
+        self.train_easy = train_easy
         self.train_medium = train_medium
         self.train_hard = train_hard
         self.names = _Names(self.rng)
@@ -257,8 +262,15 @@ class _Builder:
         r = self.rng
         pools = {"person": self.people, "artifact": self.artifacts, "institution": self.institutions}
         wanted = [("test", t, self.per_tier) for t in TIERS]
-        wanted += [("train", "medium", self.train_medium), ("train", "hard", self.train_hard)]
+        wanted += [
+            ("train", "easy", self.train_easy),
+            ("train", "medium", self.train_medium),
+            ("train", "hard", self.train_hard),
+        ]
         used_starts: set[int] = set()
+        # Every page a test question reads; a train question may read none of them, so held-out
+        # accuracy measures searching and copying, not facts remembered from training.
+        test_pages: set[int] = set()
         questions: list[Question] = []
         for split, tier, count in wanted:
             templates = [t for t in g.QUESTION_TEMPLATES if t.tier == tier]
@@ -282,6 +294,10 @@ class _Builder:
                 # Pages on a chain must be distinct documents (a person cannot be their own mentor's mentor).
                 if len({id(p) for p in pages}) != len(pages):
                     continue
+                if split == "train" and any(id(p) in test_pages for p in pages):
+                    continue
+                if split == "test":
+                    test_pages.update(id(p) for p in pages)
                 used_starts.add(id(start))
                 made += 1
                 slots = {"institution": getattr(start, "name", ""), "artifact": getattr(start, "name", "")}
@@ -485,9 +501,13 @@ def generate_world(
     questions_per_tier: int = 50,
     train_medium: int = 100,
     train_hard: int = 50,
+    train_easy: int = 0,
 ) -> World:
-    """Build the whole world in memory. Deterministic in its arguments."""
-    return _Builder(n_docs, seed, questions_per_tier, train_medium, train_hard).build()
+    """Build the whole world in memory. Deterministic in its arguments.
+
+    No train question reads a page (evidence document) that a test question reads.
+    """
+    return _Builder(n_docs, seed, questions_per_tier, train_medium, train_hard, train_easy).build()
 
 
 # --- files ---------------------------------------------------------------------------------------

@@ -19,7 +19,12 @@ def index(
         ..., "--index-dir", help="Where the index goes (created; an existing one resumes)."
     ),
     lexical: str = typer.Option(None, "--lexical", help="embedded (bm25s, default) or elasticsearch."),
-    dense: str = typer.Option(None, "--dense", help="edge (Qdrant Edge in-process, default) or qdrant."),
+    dense: str = typer.Option(
+        None,
+        "--dense",
+        help="edge (Qdrant Edge in-process, default), qdrant, or none: a lexical-only index, built "
+        "without loading or running the embedder (hybrid search then serves the lexical ranking).",
+    ),
     embedder: str = typer.Option(
         None, "--embedder", help="sentence-transformers model (default all-MiniLM-L6-v2)."
     ),
@@ -33,6 +38,9 @@ def index(
 ) -> None:
     """Build the lexical index, the dense index and the doc store in one pass over the corpus.
 
+    With --dense none only the lexical index and the doc store are built: no document is
+    embedded, which makes a world built to collect training data many times faster to index.
+
     Interrupted, it resumes where it stopped when run again with the same arguments, and never
     stores a document twice. Elasticsearch and Qdrant connection settings come from the
     BCSTACK_RETRIEVAL_* environment variables or --config.
@@ -45,6 +53,8 @@ def index(
 
     if on_duplicate not in ("error", "skip"):
         fail("--on-duplicate is error or skip")
+    if dense == "none" and embedder:
+        fail("--embedder has no use with --dense none (a lexical-only index embeds nothing)")
     settings = load_or_fail(
         RetrievalSettings,
         config,

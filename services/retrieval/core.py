@@ -8,6 +8,13 @@ concurrent queries share one forward pass (as the FoldAgent search server does o
 A retriever that fails or exceeds ``backend_timeout_seconds`` drops out of a hybrid search:
 the other one's results are served, flagged ``degraded``, and counted. A single-retriever
 search whose retriever fails, or a hybrid search that loses both, is :class:`Unavailable`.
+
+A lexical-only index (built or served with dense ``none``) has one retriever. Mode hybrid then
+serves the lexical ranking, as mode lexical does: RRF over a single ranking scores each document
+1/(k + rank), which is strictly decreasing in rank, so fusion is the identity on that ranking's
+order and only renames its scores; we keep the BM25 scores so that hybrid == lexical exactly
+(and a client switching modes sees no difference). Such a search is not ``degraded``: nothing
+failed. Mode dense is a client error (400 / INVALID_ARGUMENT) saying the index has no dense part.
 """
 
 from __future__ import annotations
@@ -115,18 +122,22 @@ class RetrievalMetrics:
 
 class SearchCore:
     def __init__(self, index: OpenedIndex, settings: RetrievalSettings, metrics: RetrievalMetrics) -> None:
-        from services.retrieval.embedder import MicroBatchingEmbedder
-
         self.index = index
         self.settings = settings
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(settings.search_threads, thread_name_prefix="retrieval")
-        self.embedder = MicroBatchingEmbedder(
-            index.embedder,
-            max_batch=settings.embed_batch_size,
-            max_wait_ms=settings.embed_max_wait_ms,
-            on_batch=metrics.embed_batch.observe,
-        )
+        self.embedder = None
+        self.retrievers: tuple[str, ...] = ("lexical",)
+        if index.dense is not None and index.embedder is not None:
+            from services.retrieval.embedder import MicroBatchingEmbedder
+
+            self.embedder = MicroBatchingEmbedder(
+                index.embedder,
+                max_batch=settings.embed_batch_size,
+                max_wait_ms=settings.embed_max_wait_ms,
+                on_batch=metrics.embed_batch.observe,
+            )
+            self.retrievers = ("lexical", "dense")
         metrics.documents.set(index.store.count())
 
     # -- helpers --------------------------------------------------------------------------------
@@ -163,6 +174,11 @@ class SearchCore:
             raise InvalidRequest(f"k must be between 1 and {s.max_k}, got {q.k}")
         if q.mode not in MODES:
             raise InvalidRequest(f"mode must be one of {', '.join(MODES)}, got {q.mode!r}")
+        if q.mode == "dense" and "dense" not in self.retrievers:
+            raise InvalidRequest(
+                "mode dense is not available: this index is lexical only (dense backend none); "
+                "use mode lexical or hybrid"
+            )
         if q.window is not None and not 1 <= q.window <= 1000:
             raise InvalidRequest(f"window must be between 1 and 1000, got {q.window}")
         if q.snippet_words is not None and q.snippet_words < 0:
@@ -194,7 +210,7 @@ class SearchCore:
         start = time.perf_counter()
         timings: dict[str, float] = {}
         window = max(q.k, q.window or self.settings.rrf_window)
-        wanted = ("lexical", "dense") if q.mode == "hybrid" else (q.mode,)
+        wanted = self.retrievers if q.mode == "hybrid" else (q.mode,)
         calls = {"lexical": self._lexical, "dense": self._dense}
         results = await asyncio.gather(
             *(calls[name](q.query, window, timings) for name in wanted), return_exceptions=True
@@ -278,6 +294,7 @@ class SearchCore:
         return {
             "documents": self.index.store.count(),
             "manifest": {k: self.index.manifest.get(k) for k in ("lexical", "dense", "embedder")},
+            "retrievers": list(self.retrievers),
         }
 
     def close(self) -> None:

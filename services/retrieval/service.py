@@ -10,6 +10,9 @@ gRPC: bcstack.v1.RetrievalService (Search, BatchSearch, Open), with health and r
 
 Errors: a bad request is 400 / INVALID_ARGUMENT, an unknown page 404 / NOT_FOUND, no retriever
 able to answer 503 / UNAVAILABLE, each with a message. Both transports call the same core.
+
+On a lexical-only index (dense none) the embedder is never loaded; hybrid searches serve the
+lexical ranking and mode dense is a 400 / INVALID_ARGUMENT (see core.py for why hybrid == lexical).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from core.kit.settings import ServiceSettings
 
 LexicalBackend = Literal["embedded", "elasticsearch"]
 EmbedRuntime = Literal["onnx", "torch"]
-DenseBackend = Literal["edge", "qdrant"]
+DenseBackend = Literal["edge", "qdrant", "none"]
 SearchMode = Literal["hybrid", "lexical", "dense"]
 
 
@@ -27,7 +27,9 @@ class RetrievalSettings(ServiceSettings):
         None, description="lexical backend: embedded (bm25s) or elasticsearch"
     )
     dense: DenseBackend | None = Field(
-        None, description="dense backend: edge (Qdrant Edge in-process) or qdrant"
+        None,
+        description="dense backend: edge (Qdrant Edge in-process), qdrant, or none (lexical only: "
+        "no embedder is loaded, hybrid search is lexical search, mode dense is refused)",
     )
     bm25_k1: float = Field(0.9, gt=0, description="BM25 k1 (pyserini/BrowseComp-Plus default 0.9)")
     bm25_b: float = Field(0.4, ge=0, le=1, description="BM25 b (pyserini/BrowseComp-Plus default 0.4)")
@@ -45,7 +47,9 @@ class RetrievalSettings(ServiceSettings):
     qdrant_api_key: SecretStr | None = Field(None, description="Qdrant API key (secret)")
 
     embedder_model: str | None = Field(
-        None, description="sentence-transformers model name or path; unset = the index's (all-MiniLM-L6-v2)"
+        None,
+        description="sentence-transformers model name or path; unset = the index's (all-MiniLM-L6-v2); "
+        "unused with dense none",
     )
     embed_batch_size: int = Field(32, gt=0, description="most queries embedded in one micro-batch")
     embed_max_length: int | None = Field(

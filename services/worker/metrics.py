@@ -84,6 +84,19 @@ class WorkerMetrics:
             ["kind"],
             registry=registry,
         )
+        self.gate_decisions = Counter(
+            "bcstack_worker_stop_gate_decisions_total",
+            "Runtime STOP gate decisions (stop, continue, unclear, error); none while the gate is off.",
+            ["decision"],
+            registry=registry,
+        )
+        for decision in ("stop", "continue", "unclear", "error"):
+            self.gate_decisions.labels(decision)
+        self.gate_tokens = Counter(
+            "bcstack_worker_stop_gate_generated_tokens_total",
+            "Tokens the STOP gate generated (not part of any trajectory or budget).",
+            registry=registry,
+        )
         self.active = Gauge("bcstack_worker_active_episodes", "Episodes running now.", registry=registry)
         self.rejected = Counter(
             "bcstack_worker_rejected_total",
@@ -124,6 +137,10 @@ class WorkerMetrics:
             registry=registry,
         )
         self._weight_version: str | None = None
+
+    def gate_decision(self, decision: str, tokens: int) -> None:
+        self.gate_decisions.labels(decision).inc()
+        self.gate_tokens.inc(tokens)
 
     def reload(self, outcome: Outcome, seconds: float, paused_seconds: float | None) -> None:
         self.reloads.labels(outcome).inc()

@@ -274,7 +274,8 @@ class EpisodeRunner:
                 self._turn_done(record, turn_start)
                 break
             observation = turn_observation.text()
-            gate_message = await self._gate(convo, budget)
+            # The gate decides with the latest observation in view: "is the evidence in hand?"
+            gate_message = await self._gate([*convo, {"role": "user", "content": observation}], budget)
             if gate_message:
                 observation = f"{observation}\n\n{gate_message}" if observation else gate_message
             # A turn cut by max_new_tokens has no <|im_end|> yet. (SGLang reports "length" even when the

@@ -31,6 +31,7 @@ from core.kit.http import create_app
 from core.kit.metrics import new_registry
 from core.records import trajectory_to_proto
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.worker.gate import ModelStopGate
 from services.worker.metrics import WorkerMetrics
 from services.worker.prompts import WORKER_SYSTEM_PROMPT
 from services.worker.reload import ReloadManager, ReloadRefused
@@ -333,6 +334,16 @@ def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
         protocol=protocol_settings(settings),
         on_turn=metrics.turn,
         on_tool_call=metrics.tool_call,
+        stop_gate=(
+            ModelStopGate(
+                engine,
+                tokenizer,
+                max_new_tokens=settings.stop_gate_max_new_tokens,
+                on_decision=metrics.gate_decision,
+            )
+            if settings.stop_gate == "model"
+            else None
+        ),
     )
     core = WorkerCore(runner, settings, metrics)
     started = time.time()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -88,6 +88,12 @@ class WorkerSettings(ServiceSettings):
         description="a native search/visit with one string instead of a list is one call (FoldAgent: one per "
         "character)",
     )
+    stop_gate: Literal["off", "model"] = Field(
+        "off",
+        description="runtime STOP gate between turns: off (every seed evaluation) or model (one short greedy "
+        "generation by the worker model at the gate prompt, core/gate.py)",
+    )
+    stop_gate_max_new_tokens: int = Field(16, gt=0, le=256, description="tokens the gate may generate")
     system_prompt_file: Path | None = Field(
         None, description="system prompt for branch tasks; unset = built in"
     )

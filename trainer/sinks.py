@@ -1,5 +1,5 @@
-"""Where `bcstack train rl` sends each update's metrics: OUT/metrics.jsonl, always, and optionally
-TensorBoard, Weights & Biases and a Prometheus endpoint.
+"""Where a training run (`bcstack train rl`, `bcstack train sft`) sends its metrics: OUT/metrics.jsonl,
+always, and optionally TensorBoard, Weights & Biases and a Prometheus endpoint.
 
 `RunSinks(out, report_to, prometheus_port=...)` is opened once per run; `.log(update, metrics)`
 after every update fans one metrics dict out to every sink:
@@ -30,6 +30,8 @@ after every update fans one metrics dict out to every sink:
   bcstack_trainer_train_tokens_per_second    ``train_tokens_per_s`` or ``..._per_second``
   bcstack_trainer_reload_seconds             ``reload_seconds``
   bcstack_trainer_export_seconds             ``export_seconds``
+  bcstack_trainer_loss                       ``loss`` (SFT's token-mean cross-entropy)
+  bcstack_trainer_learning_rate              ``lr``
   bcstack_trainer_dropped_stale_total        counter, ``dropped_stale`` per update
   bcstack_trainer_excluded_episodes_total    counter, ``excluded_episodes`` per update
   bcstack_trainer_zero_variance_groups_total counter, ``zero_variance_groups`` per update
@@ -78,6 +80,8 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "reload_seconds": ("Seconds the last rolling reload of the workers took.", ("reload_seconds",)),
     "export_seconds": ("Seconds the last serving-format export took.", ("export_seconds",)),
+    "loss": ("Training loss of the last update (SFT: token-mean cross-entropy).", ("loss",)),
+    "learning_rate": ("Learning rate of the last update.", ("lr",)),
 }
 # Prometheus counter (name after the prefix, before `_total`) -> (help, the per-update count key).
 COUNTERS: dict[str, tuple[str, str]] = {
