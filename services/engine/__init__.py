@@ -3,7 +3,8 @@
 
 Where to read: `service` (routes) -> `core` (admission, weight updates, health) -> `scheduler`
 (continuous batching) -> `models` / `scripted` (token models) with `sequence` (finish rule,
-response shape), `sampling` and `protocol` (SGLang's wire format).
+response shape), `sampling`, `prefix_cache` (KV reuse across requests, SGLang's radix cache) and
+`protocol` (SGLang's wire format).
 
 SGLang pin. Field names, defaults, status codes, error wording and log-prob semantics were read
 from sgl-project/sglang, main line after v0.5.6.post2 (python/sglang/version.py @ fd1216caabc4

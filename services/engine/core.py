@@ -86,7 +86,7 @@ class EngineCore:
             limit = limit if 0 < limit < 10**9 else s.max_context_length
             return tokenizer, ScriptedModel(POLICIES[s.policy](), tokenizer, s.policy, limit)
         assert s.model is not None
-        model = TransformersModel.load(s.model, tokenizer, s.dtype)
+        model = TransformersModel.load(s.model, tokenizer, s.dtype, s.prefix_cache_tokens)
         small = model.parameter_count < SMALL_MODEL_PARAMETERS
         self.torch_threads = s.torch_threads or (1 if small else None)
         return tokenizer, model
@@ -112,6 +112,9 @@ class EngineCore:
         )
         self.scheduler.start()
         self.state = "ready"
+        if isinstance(self.model, TransformersModel) and s.prefix_cache_tokens:
+            mib = s.prefix_cache_tokens * self.model.kv_bytes_per_token() / 2**20
+            log.info("prefix cache: KV of up to %d tokens (%.0f MiB)", s.prefix_cache_tokens, mib)
         log.info(
             "engine ready: %s (context %d tokens, %d running at most)",
             self.model_path,
@@ -216,6 +219,11 @@ class EngineCore:
 
     # --- control ---------------------------------------------------------------------------------
 
+    async def flush_cache(self) -> None:
+        """SGLang's /flush_cache: empty the prefix cache. Unlike SGLang it needs no idle engine:
+        running sequences own their KV, so nothing they hold is lost."""
+        await self._ready().flush_cache()
+
     async def pause(self, mode: PauseMode) -> None:
         await self._ready().pause(mode)
 
@@ -233,7 +241,9 @@ class EngineCore:
 
         The old weights keep serving while the new ones load and whenever loading fails. Running
         sequences keep their KV caches across the swap (as SGLang's in-place update does) unless
-        `abort_all_requests`. Messages are SGLang's (`ModelRunner.update_weights_from_disk`).
+        `abort_all_requests`. The prefix cache is flushed by every successful swap, whatever the
+        request's `flush_cache` (SGLang's default, true, made the only choice: KV of the old
+        weights is never reused). Messages are SGLang's (`ModelRunner.update_weights_from_disk`).
         """
         scheduler = self._ready()
         async with self._update_lock:

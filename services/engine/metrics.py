@@ -25,7 +25,34 @@ class EngineMetrics:
             registry=registry,
         )
         self.prompt_tokens = Counter(
-            "bcstack_engine_prompt_tokens_total", "Prompt tokens prefilled.", registry=registry
+            "bcstack_engine_prompt_tokens_total",
+            "Prompt tokens of the requests admitted (from the prefix cache or computed).",
+            registry=registry,
+        )
+        self.cached_prompt_tokens = Counter(
+            "bcstack_engine_cached_prompt_tokens_total",
+            "Prompt tokens whose KV came from the prefix cache (meta_info.cached_tokens).",
+            registry=registry,
+        )
+        self.computed_prompt_tokens = Counter(
+            "bcstack_engine_computed_prompt_tokens_total",
+            "Prompt tokens run through the model at admission (not found in the prefix cache).",
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "bcstack_engine_prefix_cache_hits_total",
+            "Requests admitted with a prefix of their prompt found in the prefix cache.",
+            registry=registry,
+        )
+        self.prefix_cache_misses = Counter(
+            "bcstack_engine_prefix_cache_misses_total",
+            "Requests admitted with no prefix found in the prefix cache (while it is on).",
+            registry=registry,
+        )
+        self.prefix_cache_tokens = Gauge(
+            "bcstack_engine_prefix_cache_tokens",
+            "Tokens whose KV the prefix cache holds (at most prefix_cache_tokens).",
+            registry=registry,
         )
         self.generation_tokens = Counter(
             "bcstack_engine_generation_tokens_total", "Tokens generated.", registry=registry

@@ -16,6 +16,19 @@ to step (the forward pass appends to it); when a sequence joins or leaves, every
 cut back out of it (padding removed) and a new batch is stacked. Prefill runs one sequence at a
 time (no chunked prefill). This is the simplest exact scheme `transformers` allows; it copies a
 member's KV once per membership change, which is nothing at the tiny model's size.
+
+Prefix cache (`services.engine.prefix_cache`, SGLang's radix cache on the CPU): a prefill keeps
+its sequence's KV under its token ids, and so does every release (finished, aborted, retracted:
+the tokens whose KV was computed, prompt and output). A prefill whose ids start with a kept
+entry's starts from (a view of) that KV and runs the forward pass over the rest only, so a
+worker's next turn, which sends the whole trajectory again, computes just the new observation.
+RoPE positions follow from the cache length, so the suffix sees the positions a full prefill
+would; KV tensors are never written in place (`DynamicCache` concatenates), so an entry can be
+shared with the sequences that start from it. At least one token is always computed when the
+first output token's logits are needed (an input equal to an entry recomputes its last token),
+and with input log-probs every scored position is computed. A sequence that sampled with
+other weights never feeds the cache: the cache is flushed when weights are swapped in, and a
+sequence whose KV predates the swap (in-place updates keep running sequences) is not kept.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from typing import Any, Protocol
 
 import torch
 
+from services.engine.prefix_cache import PrefixCache
 from services.engine.sampling import sample_token, token_logprobs
 from services.engine.sequence import Sequence
 
@@ -99,19 +113,27 @@ class _KV:
     """One sequence's KV cache outside a batch: per layer (keys, values), each [1, heads, len, dim]."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
+    weights: int = 0  # which weights computed it (TransformersModel.weights_epoch)
 
     @property
     def length(self) -> int:
         return self.layers[0][0].shape[2]
 
+    def prefix(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The layers cut to the first `n` tokens (views, no copy)."""
+        if n == self.length:
+            return self.layers
+        return [(k[:, :, :n], v[:, :, :n]) for k, v in self.layers]
+
 
 class _Batch:
     """The decode batch kept between steps while its members stay the same."""
 
-    def __init__(self, seqs: list[Sequence], cache: Any, mask: torch.Tensor) -> None:
+    def __init__(self, seqs: list[Sequence], cache: Any, mask: torch.Tensor, weights: list[int]) -> None:
         self.seqs = seqs
         self.cache = cache
         self.mask = mask  # [B, T] 1 = real token, 0 = left padding
+        self.weights = weights  # each member's _KV.weights
 
     def same_members(self, seqs: list[Sequence]) -> bool:
         return len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs, strict=True))
@@ -120,7 +142,9 @@ class _Batch:
 class TransformersModel:
     """A Hugging Face causal LM served on the CPU (the embedded default's engine)."""
 
-    def __init__(self, model: Any, model_path: str, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, model: Any, model_path: str, eos_token_ids: frozenset[int], prefix_cache_tokens: int = 0
+    ) -> None:
         self.model = model
         self.model_path = model_path
         self.eos_token_ids = eos_token_ids
@@ -132,11 +156,16 @@ class TransformersModel:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._batch: _Batch | None = None
+        self.prefix_cache: PrefixCache[_KV] = PrefixCache(prefix_cache_tokens)
+        self.weights_epoch = 0  # bumped by every adopt(): KV of older weights is never reused
 
     @classmethod
-    def load(cls, model_dir: str | Path, tokenizer: Any, dtype: str = "auto") -> TransformersModel:
+    def load(
+        cls, model_dir: str | Path, tokenizer: Any, dtype: str = "auto", prefix_cache_tokens: int = 0
+    ) -> TransformersModel:
         model = load_causal_lm(model_dir, dtype)
-        return cls(model, str(model_dir), eos_ids_of(Path(model_dir), model.config, tokenizer))
+        eos = eos_ids_of(Path(model_dir), model.config, tokenizer)
+        return cls(model, str(model_dir), eos, prefix_cache_tokens)
 
     def cache_shape(self) -> tuple[int, int, int]:
         """(layers, KV heads, head dim): what must match for running sequences to keep their KV."""
@@ -144,11 +173,22 @@ class TransformersModel:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return (c.num_hidden_layers, getattr(c, "num_key_value_heads", c.num_attention_heads), head_dim)
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token holds (what the prefix cache's budget costs per token)."""
+        layers, heads, head_dim = self.cache_shape()
+        return 2 * layers * heads * head_dim * next(self.model.parameters()).element_size()
+
     def adopt(self, other: TransformersModel) -> None:
         """Serve `other`'s weights from now on (the scheduler calls this between steps)."""
         self.model = other.model
         self.model_path = other.model_path
         self.eos_token_ids = other.eos_token_ids
+        self.weights_epoch += 1
+        self.flush_cache()
+
+    def flush_cache(self) -> None:
+        """Forget every prefix-cache entry (running sequences keep their own KV)."""
+        self.prefix_cache.clear()
 
     # --- forward passes --------------------------------------------------------------------------
 
@@ -171,9 +211,22 @@ class TransformersModel:
         start = seq.request.logprob_start_len
         want_input = seq.request.return_logprob and start >= 0 and not resuming
         keep = len(ids) - start if want_input else 1
-        cache = self._new_cache()
-        logits = self._forward(torch.tensor([ids]), cache, logits_to_keep=keep)[0]
-        seq.model_state = _KV([(layer.keys, layer.values) for layer in cache.layers])
+        # Cached KV may stand in for every token whose logits are not needed: a resumed sequence
+        # needs none; a new one needs the last position's and, with input log-probs, all from `start`.
+        limit = len(ids) if resuming else min(len(ids) - 1, start if want_input else len(ids))
+        reused, hit = self.prefix_cache.match(ids, limit) if self.prefix_cache.enabled else (0, None)
+        if not resuming:
+            seq.cached_tokens = reused
+        past = hit.prefix(reused) if hit is not None else None
+        if past is not None and reused == len(ids):  # a retracted sequence's kept KV: nothing to compute
+            seq.model_state = _KV(past, self.weights_epoch)
+            return None
+        cache = self._new_cache(past)
+        logits = self._forward(torch.tensor([ids[reused:]]), cache, logits_to_keep=keep)[0]
+        seq.model_state = _KV([(layer.keys, layer.values) for layer in cache.layers], self.weights_epoch)
+        # Kept now, not only at the end, so the requests that share this prompt while it runs
+        # (a GRPO group, one system prompt) find it.
+        self._keep(ids, seq.model_state)
         if want_input:
             # Row r scores the token after position start + r. The token at `start` has no score
             # in SGLang's answer: the list starts with None (`_process_input_token_logprobs`).
@@ -202,11 +255,22 @@ class TransformersModel:
             sample_token(logits[i], s.sampling, s.generator, s.banned_tokens()) for i, s in enumerate(seqs)
         ]
 
-    def release(self, seq: Sequence) -> None:
-        """Forget a sequence's KV (finished, aborted or retracted)."""
+    def release(self, seq: Sequence, reusable: bool = True) -> None:
+        """Hand a sequence's KV (finished, aborted or retracted) to the prefix cache, and forget it.
+
+        `reusable` False (a step that raised may have left the KV half-updated): drop it instead.
+        """
+        keep = reusable and self.prefix_cache.enabled
         if self._batch is not None and any(s is seq for s in self._batch.seqs):
-            self._dissolve_batch(drop=seq)
+            self._dissolve_batch(drop=None if keep else seq, cut_finished=keep)
+        if keep and isinstance(seq.model_state, _KV):
+            kv = seq.model_state
+            self._keep((seq.prompt_ids + seq.output_ids)[: kv.length], kv)
         seq.model_state = None
+
+    def _keep(self, tokens: list[int], kv: _KV) -> None:
+        if kv.weights == self.weights_epoch:
+            self.prefix_cache.insert(tokens, kv)
 
     # --- batch bookkeeping -----------------------------------------------------------------------
 
@@ -229,21 +293,23 @@ class TransformersModel:
             mask[i, longest - kv.length :] = 1
         for s in seqs:
             s.model_state = None  # the batch holds it now
-        return _Batch(list(seqs), self._new_cache(layers), mask)
+        return _Batch(list(seqs), self._new_cache(layers), mask, [kv.weights for kv in kvs])
 
-    def _dissolve_batch(self, drop: Sequence | None = None) -> None:
-        """Cut each live member's KV back out of the batched cache (dropping the padding)."""
+    def _dissolve_batch(self, drop: Sequence | None = None, cut_finished: bool = False) -> None:
+        """Cut each live member's KV back out of the batched cache (dropping the padding); the
+        finished members' too with `cut_finished` (their release hands it to the prefix cache)."""
         batch, self._batch = self._batch, None
         if batch is None:
             return
         width = batch.mask.shape[1]
         for i, seq in enumerate(batch.seqs):
-            if seq is drop or seq.finished:
+            if seq is drop or (seq.finished and not cut_finished):
                 continue
             pad = width - int(batch.mask[i].sum())
             seq.model_state = _KV(
                 [
                     (layer.keys[i : i + 1, :, pad:].clone(), layer.values[i : i + 1, :, pad:].clone())
                     for layer in batch.cache.layers
-                ]
+                ],
+                batch.weights[i],
             )

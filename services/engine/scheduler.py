@@ -10,8 +10,9 @@ loop applies aborts, pauses and a weight swap, and wakes the handlers whose sequ
 
 Pause modes (SGLang's `PauseGenerationReqInput`): `abort` finishes every queued and running
 request with an abort reason; `retract` drops the running sequences' KV caches and puts them
-back at the head of the queue (recomputed on continue); `in_place` just stops stepping, keeping
-the KV caches. In every mode new requests queue until `continue_generation`.
+back at the head of the queue (on continue, their KV is taken back from the model's prefix cache,
+which keeps released KV, or recomputed); `in_place` just stops stepping, keeping the KV caches.
+In every mode new requests queue until `continue_generation`.
 """
 
 from __future__ import annotations
@@ -152,20 +153,29 @@ class Scheduler:
             await self._in_step_thread(apply)
             if weight_version is not None:
                 self.weight_version = weight_version
+        self._gauges()
+
+    async def flush_cache(self) -> None:
+        """Empty the model's prefix cache between two steps (running sequences keep their KV)."""
+        flush = getattr(self.model, "flush_cache", None)
+        if flush is not None:
+            async with self._step_lock:
+                await self._in_step_thread(flush)
+        self._gauges()
 
     # --- the loop --------------------------------------------------------------------------------
 
     async def _in_step_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, reusable: bool = True) -> None:
         release = getattr(self.model, "release", None)
         if release is not None:
-            release(seq)
+            release(seq, reusable=reusable)
 
-    def _release_all(self, seqs: list[Sequence]) -> None:
+    def _release_all(self, seqs: list[Sequence], reusable: bool = True) -> None:
         for seq in seqs:
-            self._release(seq)
+            self._release(seq, reusable)
 
     def _step(self, admit: list[Sequence], decode: list[Sequence]) -> None:
         """One step, in the step thread."""
@@ -229,7 +239,7 @@ class Scheduler:
                         seq.finish(
                             proto.finish_abort(f"Internal error in the engine: {type(e).__name__}: {e}")
                         )
-                    await self._in_step_thread(self._release_all, failed)
+                    await self._in_step_thread(self._release_all, failed, False)
                 self.running = [s for s in (*decode, *admit) if not s.finished]
                 self.steps += 1
                 self._account(decode, admit, before)
@@ -253,9 +263,14 @@ class Scheduler:
         if decode:
             m.batch_size.observe(len(decode))
         m.generation_tokens.inc(new_tokens)
+        cache = getattr(self.model, "prefix_cache", None)
         for seq in admit:
             if before[id(seq)] == 0:
                 m.prompt_tokens.inc(len(seq.prompt_ids))
+                m.cached_prompt_tokens.inc(seq.cached_tokens)
+                m.computed_prompt_tokens.inc(len(seq.prompt_ids) - seq.cached_tokens)
+                if cache is not None and cache.enabled:
+                    (m.prefix_cache_hits if seq.cached_tokens else m.prefix_cache_misses).inc()
                 if seq.first_token_perf is not None and seq.request.log_metrics:
                     m.time_to_first_token.observe(seq.first_token_perf - seq.created_perf)
 
@@ -272,3 +287,5 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.running.set(len(self.running))
             self.metrics.queued.set(len(self.waiting))
+            cache = getattr(self.model, "prefix_cache", None)
+            self.metrics.prefix_cache_tokens.set(cache.tokens if cache is not None else 0)

@@ -81,8 +81,8 @@ class ScriptedModel:
     def decode(self, seqs: list[Sequence]) -> list[Choice]:
         return [self._next(s) for s in seqs]
 
-    def release(self, seq: Sequence) -> None:
-        seq.model_state = None
+    def release(self, seq: Sequence, reusable: bool = True) -> None:
+        seq.model_state = None  # no prefix cache: a script is recomputed from the prompt in no time
 
     def _next(self, seq: Sequence) -> Choice:
         script: list[int] = seq.model_state

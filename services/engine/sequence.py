@@ -64,6 +64,7 @@ class Sequence:
     first_token_perf: float | None = None
     finished_perf: float | None = None
     weight_version: str = ""
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     model_state: Any = None  # the token model's per-sequence state (a KV cache, a script)
     updated: asyncio.Event = field(default_factory=asyncio.Event)
     _stream_text: Detokenizer | None = None
@@ -144,7 +145,7 @@ class Sequence:
             "prompt_tokens": len(self.prompt_ids),
             "weight_version": self.weight_version,
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,  # no prefix cache in the CPU engine
+            "cached_tokens": self.cached_tokens,
         }
         if self.request.return_logprob:
             texts = self.request.return_text_in_logprobs

@@ -7,7 +7,7 @@
     GET  /get_model_info            {model_path, tokenizer_path, is_generation, weight_version, ...}
     GET  /get_weight_version        {weight_version}
     POST /abort_request             {rid | abort_all}
-    POST /flush_cache               admin; no prefix cache here, so it always succeeds
+    POST /flush_cache               admin; empties the prefix cache (also done by every weight update)
     POST /pause_generation          admin; {mode: abort | retract | in_place}
     POST /continue_generation       admin
     POST /update_weights_from_disk  admin; {model_path, weight_version, load_format,
@@ -152,7 +152,11 @@ def build_http_app(
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
     async def flush_cache() -> Any:
-        # SGLang's answer text; the CPU engine keeps no prefix cache, so there is nothing to drop.
+        try:
+            await core.flush_cache()
+        except EngineUnavailable as e:
+            return _error(503, str(e))
+        # SGLang's answer text (its flush waits for an idle engine; this one needs not).
         return PlainTextResponse(
             "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
             "waiting requests, the operation will not be performed.)\n"

@@ -38,6 +38,13 @@ class EngineSettings(ServiceSettings):
     )
     max_running_requests: int = Field(16, ge=1, description="sequences decoded together in one step")
     max_queued_requests: int = Field(4096, ge=1, description="requests waiting for a slot; more get 503")
+    prefix_cache_tokens: int = Field(
+        262_144,
+        ge=0,
+        description="prefix cache (SGLang's radix cache): KV of at most this many tokens kept for "
+        "requests that start with the same ids, LRU; 0 = off; flushed on weight updates. The tiny "
+        "model's KV is 512 bytes a token (128 MiB at the default); the start-up log says the size",
+    )
     weight_version: str = Field("default", description="weight version before any update (SGLang's default)")
     dtype: Dtype = Field("auto", description="weights dtype on the CPU: auto (as saved), float32 or bfloat16")
     torch_threads: int | None = Field(
