@@ -3,7 +3,7 @@ PYTHON ?= python3
 STAMP  := .make/install.stamp
 PYTEST_ARGS ?=
 
-.PHONY: help install demo test lint proto clean
+.PHONY: help install demo speedrun test lint proto clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -17,6 +17,9 @@ install: $(STAMP)  ## Debian packages, CPU torch, the package and its dev tools 
 
 demo: install  ## the main job on embedded defaults
 	$(PYTHON) -m bcstack.demo
+
+speedrun: install  ## the CPU learning proof: untrained -> SFT -> RL on held-out questions (~45 min)
+	$(PYTHON) -m bcstack.speedrun
 
 test: install  ## the whole test suite
 	$(PYTHON) -m pytest $(PYTEST_ARGS)

@@ -61,6 +61,7 @@ train_app = typer.Typer(
     no_args_is_help=True,
 )
 train_app.command("sft")(sft_cli.sft)
+train_app.command("gate-rows")(sft_cli.gate_rows)
 train_app.command("grpo")(trainer_cli.grpo)
 train_app.command("rl")(rl_cli.rl)
 train_app.command("report")(rl_report.report)
@@ -77,8 +78,8 @@ def up(
     worker: str = typer.Option(
         "expert",
         "--worker",
-        help="What the worker runs: expert (the scripted expert policy), tiny (the untrained tiny model) "
-        "or a model folder.",
+        help="What the worker runs: expert (the scripted expert policy), expert-snippets (the expert "
+        "reading facts off search snippets), tiny (the untrained tiny model) or a model folder.",
     ),
     state: Path = typer.Option(
         Path(".bcstack"), "--state", help="Where the stack keeps its files and stack.json."

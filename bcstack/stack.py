@@ -350,8 +350,8 @@ def plan(
         for name, (h, g) in DEFAULT_PORTS.items()
     }
     tiny = assets["tiny"]
-    if worker == "expert":
-        engine_args = ["--policy", "expert", "--tokenizer", str(tiny), "--world", str(assets["world"])]
+    if worker in ("expert", "expert-snippets"):
+        engine_args = ["--policy", worker, "--tokenizer", str(tiny), "--world", str(assets["world"])]
         tokenizer = tiny
     elif worker == "tiny":
         engine_args, tokenizer = ["--model", str(tiny)], tiny

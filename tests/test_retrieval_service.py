@@ -244,9 +244,10 @@ def test_recall_at_10_hybrid_at_least_the_better_retriever(service, world_dir):
     print(f"recall@10 over {len(questions)} toy test questions: gold {gold}, evidence {evidence}")
     # RRF does not guarantee dominance question by question: on a world where the better retriever
     # finds one gold page the fused list ranks 11th, hybrid is one question behind. Allow that one.
-    one = 1 / len(questions)
-    assert gold["hybrid"] >= max(gold["lexical"], gold["dense"]) - one
-    assert evidence["hybrid"] >= max(evidence["lexical"], evidence["dense"])
+    # The same slack for the evidence documents: one document.
+    one_question, one_doc = 1 / len(questions) + 1e-9, 1 / evidence_total + 1e-9
+    assert gold["hybrid"] >= max(gold["lexical"], gold["dense"]) - one_question
+    assert evidence["hybrid"] >= max(evidence["lexical"], evidence["dense"]) - one_doc
     assert gold["lexical"] > 0.3 and gold["dense"] > 0.1  # each retriever does real work
 
 

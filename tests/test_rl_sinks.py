@@ -55,6 +55,8 @@ def update_metrics(update: int) -> dict:
         "excluded_episodes": 2,
         "zero_variance_groups": 3 * update,
         "mixed_versions": False,
+        "loss": 2.0 / update,
+        "lr": 1e-6,
     }
 
 
@@ -197,6 +199,8 @@ def test_prometheus_serves_the_last_gauges_and_the_summed_counters(tmp_path):
         "bcstack_trainer_train_tokens_per_second": last["train_tokens_per_s"],
         "bcstack_trainer_reload_seconds": last["reload_seconds"],
         "bcstack_trainer_export_seconds": last["export_seconds"],
+        "bcstack_trainer_loss": last["loss"],
+        "bcstack_trainer_learning_rate": last["lr"],
         "bcstack_trainer_dropped_stale_total": 1 + 2,
         "bcstack_trainer_excluded_episodes_total": 2 + 2,
         "bcstack_trainer_zero_variance_groups_total": 3 + 6,

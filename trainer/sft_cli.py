@@ -211,3 +211,52 @@ def _last_step(out: Path) -> int:
 
     latest = latest_checkpoint(out / "checkpoints")
     return 0 if latest is None else int(json.loads((latest / STATE_FILE).read_text())["step"])
+
+
+def gate_rows(
+    records: Path = typer.Option(
+        ..., "--records", help="Episode records: the gateway's SQLite file or a records JSONL export."
+    ),
+    tokenizer: Path = typer.Option(
+        ..., "--tokenizer", help="The worker's tokenizer (model folder), to read the trajectories' token ids."
+    ),
+    out: Path = typer.Option(..., "--out", help="Gate rows to write (chat JSONL, core/gate.py's format)."),
+    hard_negative_repeat: int = typer.Option(
+        2,
+        "--hard-negative-repeat",
+        min=1,
+        help="Copies of each hard negative (CONTINUE with the answer shown).",
+    ),
+    all_episodes: bool = typer.Option(
+        False, "--all", help="Use every episode, not only the correctly answered ones."
+    ),
+) -> None:
+    """Gate rows for the runtime STOP gate from expert episode records (seed 001's second SFT source).
+
+    One row per observation: STOP when the worker's next turn is its finish, CONTINUE otherwise; the
+    CONTINUEs whose observation already shows the gold answer are hard negatives, repeated.
+    """
+    from transformers import AutoTokenizer
+
+    from core.atomic import atomic_write_text
+    from trainer.gate_rows import gate_rows_from_records
+
+    if not records.is_file():
+        fail(f"--records {records}: no such file")
+    if not (tokenizer / "tokenizer_config.json").is_file() and not (tokenizer / "tokenizer.json").is_file():
+        fail(f"--tokenizer {tokenizer}: no tokenizer files there")
+    try:
+        rows, counts = gate_rows_from_records(
+            records,
+            AutoTokenizer.from_pretrained(tokenizer),
+            only_correct=not all_episodes,
+            hard_negative_repeat=hard_negative_repeat,
+        )
+    except (ValueError, OSError) as e:
+        fail(str(e))
+    atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
+    typer.echo(
+        f"{counts['rows']:,} gate rows from {counts['trajectories']:,} trajectories of {counts['records']:,} "
+        f"episodes: {counts['stop']:,} stop, {counts['continue']:,} continue "
+        f"({counts['hard_negative']:,} hard negatives, x{hard_negative_repeat}) -> {out}"
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 import yaml
 
+from core.budget import MAX_TOKENS
 from core.kit.cli import fail
 
 
@@ -98,6 +99,13 @@ def rl(
         "versions behind; older groups are dropped and counted. 0 = synchronous.",
     ),
     lr: float = typer.Option(1e-6, "--lr", min=0.0, help="AdamW learning rate (seed 000: 1e-6)."),
+    micro_batch_tokens: int = typer.Option(
+        MAX_TOKENS,
+        "--micro-batch-tokens",
+        min=16,
+        help="Token budget of one packed micro-batch (a packed row's dense attention mask costs T^2: "
+        "small models train faster with a budget of about two trajectories).",
+    ),
     mixed_versions: str = typer.Option(
         "keep",
         "--mixed-versions",
@@ -206,6 +214,7 @@ def rl(
         group_size=group_size,
         max_policy_lag=max_policy_lag,
         lr=lr,
+        micro_batch_tokens=micro_batch_tokens,
         mixed_versions=mixed_versions,
         dynamic_sampling=dynamic_sampling,
         seed=seed,

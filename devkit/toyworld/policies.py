@@ -42,10 +42,11 @@ class _Knowledge:
     pages: dict[str, p.Page]  # title → opened page
     hits: dict[str, str]  # title → docid, from search results
     queries: list[str]  # every query already sent
+    snippets: dict[str, str]  # title → the longest snippet shown for it
 
 
 def _replay(messages: Sequence[Message]) -> _Knowledge:
-    know = _Knowledge({}, {}, [])
+    know = _Knowledge({}, {}, [], {})
     for m in messages:
         if m.get("role") == "assistant":
             for call in p.parse_calls(m.get("content", "")):
@@ -61,6 +62,8 @@ def _replay(messages: Sequence[Message]) -> _Knowledge:
                 title = g.doc_title(hit.content)
                 if title:
                     know.hits.setdefault(title, hit.docid)
+                    if len(hit.content) > len(know.snippets.get(title, "")):
+                        know.snippets[title] = hit.content
     return know
 
 
@@ -68,22 +71,35 @@ def _replay(messages: Sequence[Message]) -> _Knowledge:
 _LEADS_TO = {"birth_city": "city", "city": "city", "institution": "institution"}
 
 
-def _queries_for(title: str, kind: str) -> list[str]:
+def _queries_for(title: str, kind: str, copyable: bool = False) -> list[str]:
     if kind == "person":
         name, profession = title[:-1].rsplit(" (", 1)
-        return [f"{name} {profession}", f'"{name}" {profession} born studied', name]
+        first = f"{profession} {name}" if copyable else f"{name} {profession}"
+        return [first, f'"{name}" {profession} born studied', name]
     if kind == "city":
+        if copyable:
+            return [f"city of {title} province population", f"{title} city", title]
         return [f"{title} city province population", f"{title} city", title]
-    return [title, f'"{title}"', f"{title} history"]
+    return [f"the {title}" if copyable else title, f'"{title}"', f"{title} history"]
 
 
-def expert_worker_policy(messages: Sequence[Message]) -> str:
-    """The next worker turn for a toy-world task, using only the tool protocol."""
+def expert_worker_policy(messages: Sequence[Message], *, read_snippets: bool = False) -> str:
+    """The next worker turn for a toy-world task, using only the tool protocol.
+
+    With `read_snippets` (the `expert-snippets` engine policy) the expert is one a small model can
+    imitate: it takes a fact from a search hit's snippet when the snippet states it (opening the page
+    only when it does not), and it writes every name as the question and the pages write it, after a
+    space (queries like "chemist Tovax Meitrer", thoughts like "the page of Tovax Meitrer (chemist)"),
+    and its first search is the question itself, so the tokens it writes are the tokens it read:
+    copying is the whole skill.
+    """
     question = None
+    asked = ""
     for m in messages:
         if m.get("role") == "user":
             question = g.parse_question(m.get("content", ""))
             if question:
+                asked = _question_sentence(m.get("content", ""))
                 break
     if question is None:
         return _say(
@@ -98,13 +114,25 @@ def expert_worker_policy(messages: Sequence[Message]) -> str:
     answer: g.Ref | None = None
     for step, relation in enumerate(question.template.chain):
         page = know.pages.get(title)
+        if page is None and read_snippets and title in know.snippets:
+            ref = g.read_relation(title, know.snippets[title], relation)
+            if ref is not None:
+                page = p.Page(know.hits[title], "", know.snippets[title])
         if page is None:
+            if read_snippets and title in know.hits:
+                return _say(
+                    f"Step {step + 1}: the page of {title} is in the results; opening it.",
+                    _call("open_page", docid=know.hits[title]),
+                )
             if title in know.hits:
                 return _say(
                     f"Step {step + 1}: the page '{title}' is in the results; opening it.",
                     _call("open_page", docid=know.hits[title]),
                 )
-            queries = _queries_for(title, kind)
+            queries = _queries_for(title, kind, copyable=read_snippets)
+            if read_snippets and step == 0 and asked:
+                # The question itself first: its words are all in the context, so the query is a copy.
+                queries = [asked, *queries]
             tried = [q for q in queries if q in know.queries]
             fresh = [q for q in queries if q not in know.queries]
             if not fresh or len(tried) >= MAX_QUERIES_PER_TITLE:
@@ -117,8 +145,14 @@ def expert_worker_policy(messages: Sequence[Message]) -> str:
                         confidence="0%",
                     ),
                 )
+            if read_snippets and fresh[0] == asked:
+                thought = "Step 1: searching for the question."
+            elif read_snippets:
+                thought = f"Step {step + 1}: I need the page of {title}; searching for it."
+            else:
+                thought = f"Step {step + 1}: I need the page '{title}'; searching for it."
             return _say(
-                f"Step {step + 1}: I need the page '{title}'; searching for it.",
+                thought,
                 _call("search", query=fresh[0], topk=str(EXPERT_TOPK)),
             )
         cited.append((title, page.docid))

@@ -47,7 +47,18 @@ def expert_policy() -> Policy:
     return expert_worker_policy
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {"expert": expert_policy}
+def expert_snippets_policy() -> Policy:
+    from functools import partial
+
+    from devkit.toyworld.policies import expert_worker_policy
+
+    return partial(expert_worker_policy, read_snippets=True)
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "expert": expert_policy,
+    "expert-snippets": expert_snippets_policy,
+}
 
 
 class ScriptedModel:

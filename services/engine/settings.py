@@ -10,7 +10,7 @@ from pydantic import Field, SecretStr
 from core import budget
 from core.kit.settings import ServiceSettings
 
-Policy = Literal["expert"]
+Policy = Literal["expert", "expert-snippets"]
 Dtype = Literal["auto", "float32", "bfloat16"]
 
 
@@ -26,7 +26,9 @@ class EngineSettings(ServiceSettings):
         None, description="tokenizer folder; unset = the model folder (required with --policy)"
     )
     policy: Policy | None = Field(
-        None, description="serve a scripted policy instead of a model: expert (the toy world's expert worker)"
+        None,
+        description="serve a scripted policy instead of a model: expert (the toy world's expert worker) or "
+        "expert-snippets (the same expert reading facts off search snippets, written to be copied)",
     )
     world: Path | None = Field(None, description="toy world folder (`bcstack toyworld generate`); checked")
 

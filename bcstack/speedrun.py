@@ -1,0 +1,457 @@
+"""`make speedrun`: the CPU learning proof. A tiny worker from nothing to answering held-out questions.
+
+Every stage runs through the live stack (`bcstack up`: retrieval, engine, worker, scripted coordinator
+LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
+
+1. world    one toy world with a test split (50 questions per tier, the demo's) and a large train split
+            (`--train-easy` plus medium and hard) whose questions read no page a test question reads;
+            the tiny kit (its tokenizer is trained on the fixed toy text, so it serves any world; the
+            model is bigger than the demo's: `--hidden-size`, `--layers`); a lexical-only index
+            (`--dense none`: the dense embedder is ~55 ms per document here);
+2. collect  the scripted expert answers every train question through the stack (`expert-snippets`:
+            it takes a fact from a search snippet when the snippet states it, and writes names as it
+            read them, so what it does can be learnt by copying); the records are
+            exported (JSONL, not a copy of the live SQLite file) and become SFT samples with their
+            exact token ids and masks; gate rows are made from them (core/gate.py);
+3. copy     a copy-inducing stage (trainer/copy_stage.py): random spans followed by themselves, so
+            the model from scratch learns to copy from its context before it learns the job;
+4. sft      `trainer.sft` on the token-balanced mixture: expert trajectories x `--core-repeat` and gate
+            rows sampled to `--gate-fraction` of their supervised tokens; settings scaled for a model
+            trained from scratch (LR, batch), printed;
+5. eval     the untrained model and the SFT model on the 150 held-out test questions through the stack,
+            under one worker budget sized from the expert's trajectories (`--budget-factor` x the longest);
+6. rl       `bcstack train rl` from the SFT model on train questions, the workers hot-reloaded after each
+            update, for the minutes left (`--rl-minutes`); then the RL model is evaluated the same way;
+7. report   one table in seed 001's shape with three rows (untrained, SFT, SFT + RL), Wilson intervals,
+            the paired comparisons (SFT vs untrained, RL vs SFT: improved/regressed, Δ pp with Newcombe's
+            paired interval, exact McNemar p), a PNG and `.bcstack-speedrun/report.json`.
+
+The observation sizes (snippet words, hits shown, page words) are worker settings (`--worker-setting`
+of `bcstack up`), stated in the output; no code path is special to the speedrun.
+
+    python -m bcstack.speedrun [--state .bcstack-speedrun] [--train-easy 2000] [--rl-minutes 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bcstack.evaluation.cli import run_with_progress
+from bcstack.evaluation.loaders import load_questions
+from bcstack.stack import StackError, down, read_state, up
+
+# Observations small enough for a CPU run, and a per-turn cap: every one a worker setting
+# (services/worker/settings.py), passed with `bcstack up --worker-setting`.
+OBSERVATION_SETTINGS = {
+    "snippet_words": "24",
+    "seen_snippet_words": "12",
+    "page_words": "48",
+    "max_topk": "3",
+    "default_topk": "3",
+    "reflection_nudge": "false",
+    # The expert's longest turn is ~120 tokens; an untrained model would otherwise spend the whole
+    # episode budget in its first turn.
+    "max_new_tokens_per_turn": "192",
+}
+
+
+@dataclass
+class Timeline:
+    """Seconds per stage, kept in STATE/timeline.json so a resumed run reports every stage it ran."""
+
+    path: Path | None = None
+    started: float = field(default_factory=time.monotonic)
+    seconds: dict[str, float] = field(default_factory=dict)
+    _stage: str | None = None
+    _at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.path is not None and self.path.is_file():
+            self.seconds = json.loads(self.path.read_text())
+
+    def stage(self, name: str, text: str) -> None:
+        self.end()
+        self._stage, self._at = name, time.monotonic()
+        print(f"\n== [{time.monotonic() - self.started:6.0f} s] {name}: {text}", flush=True)
+
+    def end(self) -> None:
+        if self._stage is not None:
+            self.seconds[self._stage] = round(time.monotonic() - self._at, 1)
+            print(f"   {self._stage} took {self.seconds[self._stage]:.0f} s", flush=True)
+            self._stage = None
+            if self.path is not None:
+                self.path.write_text(json.dumps(self.seconds, indent=2) + "\n")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
+def _run(args: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", "bcstack", *args], check=False)
+    if result.returncode != 0:
+        raise StackError(f"`bcstack {' '.join(args[:3])} …` failed (exit {result.returncode}); see above")
+
+
+def _stack(state: Path, worker: str, world: Path, kit: Path, index: Path, settings: dict[str, str]) -> dict:
+    if read_state(state) is not None:
+        down(state, say=lambda s: None)
+    return up(
+        state, worker=worker, world=world, kit=kit, index=index, worker_settings=settings, say=lambda s: None
+    )
+
+
+def _urls(info: dict) -> dict[str, str]:
+    return {name: s["http"] for name, s in info["services"].items()}
+
+
+def build_assets(state: Path, args: argparse.Namespace) -> dict[str, Path]:
+    from devkit.modelkit.build import build_tiny_kit
+    from devkit.modelkit.model import TinyQwen3Shape
+    from devkit.toyworld.generator import generate_world, write_world
+
+    world, kit, index = state / "world", state / "kit", state / "index"
+    if not (world / "world.json").is_file():
+        made = generate_world(
+            args.docs,
+            args.seed,
+            questions_per_tier=args.questions_per_tier,
+            train_easy=args.train_easy,
+            train_medium=args.train_medium,
+            train_hard=args.train_hard,
+        )
+        write_world(made, world)
+    if not (kit / "config.json").is_file():
+        h = args.hidden_size
+        shape = TinyQwen3Shape(
+            hidden_size=h, num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=h // 4, intermediate_size=3 * h,
+        )  # fmt: skip
+        build_tiny_kit(kit, seed=args.seed, shape=shape)
+    if not (index / "manifest.json").is_file():
+        _run(["index", "--corpus", str(world / "corpus.jsonl"), "--index-dir", str(index), "--dense", "none"])
+    return {"world": world, "kit": kit, "index": index}
+
+
+def _budget_from(records: Path, factor: float) -> dict[str, int]:
+    """The tiny workers' budget: `factor` x the longest expert trajectory, and its turns + 2."""
+    longest, turns = 0, 0
+    with records.open() as f:
+        for line in f:
+            record = json.loads(line)
+            for worker in record.get("workers", []):
+                traj = worker.get("trajectory") or {}
+                longest = max(longest, len(traj.get("token_ids", [])))
+                turns = max(turns, int(traj.get("turns_used", 0)))
+    return {"max_tokens": int(longest * factor), "max_turns": turns + 2}
+
+
+def _evaluated(eval_dir: Path, questions: int) -> bool:
+    path = eval_dir / "judgements.jsonl"
+    return path.is_file() and len(path.read_text().splitlines()) >= questions
+
+
+def evaluate(
+    label: str, urls: dict[str, str], questions: list, out: Path, budget: dict[str, int], concurrency: int
+) -> None:
+    run_with_progress(
+        questions,
+        out,
+        urls["coordinator"],
+        urls["judge"],
+        concurrency=concurrency,
+        overrides={"max_branches": 1},
+        budget=budget,
+        label=label,
+    )
+
+
+def summarise(state: Path, stages: list[tuple[str, Path, str | None]], seconds: dict[str, float]) -> dict:
+    """report.json: per stage correct/total/tiers/Wilson; the paired comparisons; seconds per stage."""
+    from bcstack.evaluation.report import build_report
+
+    dirs = {name: path for name, path, _ in stages}
+    out: dict[str, Any] = {"stages": [], "paired": [], "seconds": seconds}
+    for name, path, baseline in stages:
+        report = build_report(path, dirs[baseline] if baseline else None)
+        out["stages"].append(
+            {
+                "name": name,
+                "correct": report.correct,
+                "total": report.total,
+                "tiers": {t.tier: {"correct": t.correct, "total": t.total} for t in report.tiers},
+                "wilson_95": list(report.wilson_95),
+            }
+        )
+        if report.paired is not None:
+            p = report.paired
+            out["paired"].append(
+                {
+                    "this": name,
+                    "baseline": baseline,
+                    "n": p["n"],
+                    "improved": p["improved"],
+                    "regressed": p["regressed"],
+                    "delta_pp": p["delta_pp"],
+                    "delta_ci_pp": list(p["delta_ci_pp"]),
+                    "mcnemar_p": p["mcnemar_p"],
+                }
+            )
+    return out
+
+
+def render_table(summary: dict) -> str:
+    lines = ["| Worker | Easy | Medium | Hard | Total | Wilson 95% |", "|---|---|---|---|---|---|"]
+    for s in summary["stages"]:
+        t = s["tiers"]
+        cells = [f"{t[k]['correct']}/{t[k]['total']}" for k in ("easy", "medium", "hard")]
+        pct = 100 * s["correct"] / s["total"] if s["total"] else float("nan")
+        lo, hi = (100 * x for x in s["wilson_95"])
+        lines.append(
+            f"| {s['name']} | {' | '.join(cells)} | {s['correct']}/{s['total']} ({pct:.2f}%) | "
+            f"{lo:.2f}–{hi:.2f}% |"
+        )
+    lines.append("")
+    for p in summary["paired"]:
+        lo, hi = p["delta_ci_pp"]
+        lines.append(
+            f"{p['this']} vs {p['baseline']}: {p['improved']} improved, {p['regressed']} regressed, "
+            f"{p['delta_pp']:+.2f} pp (paired 95% interval {lo:+.2f} to {hi:+.2f}), "
+            f"exact McNemar p = {p['mcnemar_p']:.3g}"
+        )
+    return "\n".join(lines)
+
+
+def plot(summary: dict, rl_metrics: list[dict], path: Path) -> None:
+    """Accuracy per stage with Wilson intervals; the RL reward and held-out accuracy over updates."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    ax, bx = fig.subplots(1, 2)
+    names = [s["name"] for s in summary["stages"]]
+    acc = [100 * s["correct"] / max(1, s["total"]) for s in summary["stages"]]
+    err = [
+        [a - 100 * s["wilson_95"][0] for a, s in zip(acc, summary["stages"], strict=True)],
+        [100 * s["wilson_95"][1] - a for a, s in zip(acc, summary["stages"], strict=True)],
+    ]
+    ax.bar(names, acc, yerr=err, capsize=6, color=["#999999", "#4c72b0", "#55a868"][: len(names)])
+    for tier, marker in (("easy", "o"), ("medium", "s"), ("hard", "^")):
+        ax.plot(
+            names,
+            [100 * s["tiers"][tier]["correct"] / max(1, s["tiers"][tier]["total"])
+             for s in summary["stages"]],
+            marker=marker, linestyle="none", color="black", label=tier,
+        )  # fmt: skip
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_title("Held-out test split, Wilson 95% intervals")
+    ax.legend(loc="upper left", fontsize=8)
+    updates = [m["update"] for m in rl_metrics if m.get("reward_mean") is not None]
+    bx.plot(updates, [m["reward_mean"] for m in rl_metrics if m.get("reward_mean") is not None], "o-",
+            label="rollout reward (train questions)")  # fmt: skip
+    evals = [m for m in rl_metrics if m.get("eval_accuracy") is not None]
+    if evals:
+        bx.errorbar(
+            [m["update"] for m in evals],
+            [m["eval_accuracy"] for m in evals],
+            yerr=[
+                [m["eval_accuracy"] - m["eval_wilson_low"] for m in evals],
+                [m["eval_wilson_high"] - m["eval_accuracy"] for m in evals],
+            ],
+            fmt="s-", capsize=4, label="held-out accuracy",
+        )  # fmt: skip
+    bx.set_xlabel("RL update")
+    bx.set_ylim(0, 1)
+    bx.set_title("bcstack train rl")
+    bx.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--state", type=Path, default=Path(".bcstack-speedrun"), help="working folder (kept; resumable)")
+    add("--fresh", action="store_true", help="remove the state folder first")
+    add("--docs", type=int, default=10_000, help="toy world documents")
+    add("--seed", type=int, default=0, help="world and model seed")
+    add("--questions-per-tier", type=int, default=50, help="held-out test questions per tier")
+    add("--train-easy", type=int, default=2000, help="easy train questions")
+    add("--train-medium", type=int, default=300, help="medium train questions")
+    add("--train-hard", type=int, default=100, help="hard train questions")
+    add("--hidden-size", type=int, default=128, help="tiny model width")
+    add("--layers", type=int, default=4, help="tiny model layers")
+    add("--copy-steps", type=int, default=800, help="copy-stage steps (0: none)")
+    add("--core-repeat", type=int, default=1, help="expert trajectories repeated in the mixture")
+    add("--gate-fraction", type=float, default=0.02, help="gate rows' supervised tokens / the core's")
+    add("--sft-lr", type=float, default=2e-3, help="SFT peak LR (seed 001: 1e-5, for a pretrained 4B)")
+    add("--sft-min-lr", type=float, default=1e-4, help="SFT cosine floor")
+    add("--sft-batch", type=int, default=16, help="SFT rows per step (seed 001: 32)")
+    add("--sft-epochs", type=float, default=3.0, help="passes over the constructed mixture")
+    add("--sft-micro-batch-tokens", type=int, default=2048,
+        help="packed micro-batch (SFT and RL): a dense mask costs T^2, so about two samples")  # fmt: skip
+    add(
+        "--budget-factor", type=float, default=1.25, help="tiny worker budget: x the longest expert trajectory"
+    )
+    add("--rl-minutes", type=float, default=8.0, help="wall minutes for RL updates")
+    add("--rl-lr", type=float, default=2e-5, help="RL LR (seed 000: 1e-6, for 4B)")
+    add("--rl-groups", type=int, default=8, help="question groups per RL update")
+    add("--rl-group-size", type=int, default=8, help="episodes per group")
+    add("--concurrency", type=int, default=16, help="episodes in flight")
+    args = parser.parse_args(argv)
+    state: Path = args.state.resolve()
+    if args.fresh:
+        shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(parents=True, exist_ok=True)
+    tl = Timeline(state / "timeline.json")
+    settings = dict(OBSERVATION_SETTINGS)
+    print("Worker observation settings (all of them worker settings): "
+          + ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)  # fmt: skip
+    try:
+        tl.stage("world", "toy world, tiny kit, lexical-only index")
+        assets = build_assets(state, args)
+        world, kit, index = assets["world"], assets["kit"], assets["index"]
+        train_questions = load_questions(world / "train.jsonl")
+        test_questions = load_questions(world / "questions.jsonl")
+        print(f"   {len(train_questions)} train questions, {len(test_questions)} held-out test questions")
+
+        records = state / "expert-records.jsonl"
+        if not records.is_file():
+            tl.stage("collect", f"the scripted expert on all {len(train_questions)} train questions")
+            info = _stack(state / "stack", "expert-snippets", world, kit, index, settings)
+            evaluate(
+                "expert", _urls(info), train_questions, state / "eval-expert-train", {}, args.concurrency
+            )
+            _run(
+                [
+                    "records",
+                    "export",
+                    "--records",
+                    str(state / "stack" / "records.sqlite"),
+                    "--out",
+                    str(records),
+                ]
+            )
+            down(state / "stack", say=lambda s: None)
+        budget = _budget_from(records, args.budget_factor)
+        print(f"   tiny worker budget: {budget['max_tokens']} tokens, {budget['max_turns']} turns "
+              f"({args.budget_factor} x the longest expert trajectory)")  # fmt: skip
+        gate = state / "gate.jsonl"
+        if not gate.is_file():
+            from transformers import AutoTokenizer
+
+            from trainer.gate_rows import gate_rows_from_records
+
+            rows, counts = gate_rows_from_records(records, AutoTokenizer.from_pretrained(kit))
+            gate.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            print(f"   gate rows: {counts}")
+
+        base = state / "base"
+        if args.copy_steps and not (base / "config.json").is_file():
+            tl.stage("copy", f"copy-inducing stage, {args.copy_steps} steps")
+            from trainer.copy_stage import copy_pretrain
+
+            def show(step: int, m: dict) -> None:
+                if step % 100 == 0 or step == args.copy_steps:
+                    print(f"   copy step {step}: loss {m['loss']:.3f}, "
+                          f"copy accuracy {m['copy_accuracy']:.3f}", flush=True)  # fmt: skip
+
+            copy_pretrain(kit, base, steps=args.copy_steps, on_step=show)
+        start_model = base if args.copy_steps else kit
+
+        sft_out = state / "sft"
+        if not (sft_out / "serving" / "SHA256SUMS").is_file():
+            tl.stage("sft", "SFT on expert trajectories + gate rows")
+            _run([
+                "train", "sft", "--model", str(start_model), "--out", str(sft_out),
+                "--source", f"core={records}:repeat={args.core_repeat}",
+                "--source", f"gate={gate}:match=core:fraction={args.gate_fraction}",
+                "--lr", str(args.sft_lr), "--min-lr", str(args.sft_min_lr),
+                "--global-batch", str(args.sft_batch), "--epochs", str(args.sft_epochs),
+                "--micro-batch-tokens", str(args.sft_micro_batch_tokens), "--checkpoint-every", "100",
+                *(["--resume"] if (sft_out / "checkpoints").is_dir() else []),
+            ])  # fmt: skip
+        sft_model = sft_out / "serving"
+
+        evals = {"untrained": state / "eval-untrained", "sft": state / "eval-sft", "rl": state / "eval-rl"}
+        if not _evaluated(evals["untrained"], len(test_questions)):
+            tl.stage("eval untrained", f"the untrained model on {len(test_questions)} held-out questions")
+            info = _stack(state / "stack", str(kit), world, kit, index, settings)
+            evaluate("untrained", _urls(info), test_questions, evals["untrained"], budget, args.concurrency)
+        tl.stage("eval sft", f"the SFT model on {len(test_questions)} held-out questions")
+        info = _stack(state / "stack", str(sft_model), world, kit, index, settings)
+        evaluate("sft", _urls(info), test_questions, evals["sft"], budget, args.concurrency)
+
+        # RL asks the train questions a tiny model can get right now and then: easy and medium (a group
+        # of hard questions it never answers has zero reward variance and no gradient).
+        rl_questions = state / "rl-questions.jsonl"
+        rows = [json.loads(line) for line in (world / "train.jsonl").read_text().splitlines() if line]
+        rl_questions.write_text(
+            "".join(json.dumps(r) + "\n" for r in rows if not r["data_source"].endswith("hard"))
+        )
+        tl.stage("rl", f"bcstack train rl from the SFT model for {args.rl_minutes:g} minutes")
+        rl_out = state / "stack" / "train" / "rl"
+        deadline = time.monotonic() + 60 * args.rl_minutes
+        updates = 0
+        while time.monotonic() < deadline:
+            updates += 1
+            _run([
+                "train", "rl", "--state", str(state / "stack"), "--questions", str(rl_questions),
+                "--model", str(sft_model), "--ref", str(sft_model), "--out", str(rl_out),
+                "--updates", str(updates), "--groups", str(args.rl_groups),
+                "--group-size", str(args.rl_group_size),
+                "--lr", str(args.rl_lr), "--micro-batch-tokens", str(args.sft_micro_batch_tokens),
+                "--worker-max-tokens", str(budget["max_tokens"]),
+                "--worker-max-turns", str(budget["max_turns"]), "--max-branches", "1",
+                *(["--resume"] if updates > 1 else []),
+            ])  # fmt: skip
+        tl.stage("eval rl", f"the RL model (update {updates}) on {len(test_questions)} held-out questions")
+        evaluate(
+            "rl", _urls(read_state(state / "stack")), test_questions, evals["rl"], budget, args.concurrency
+        )
+        down(state / "stack", say=lambda s: None)
+
+        tl.stage("report", "tables, PNG, report.json")
+        tl.end()
+        summary = summarise(
+            state,
+            [("Untrained tiny", evals["untrained"], None), ("SFT", evals["sft"], "Untrained tiny"),
+             ("SFT + RL", evals["rl"], "SFT")],
+            tl.seconds,
+        )  # fmt: skip
+        from trainer.sinks import read_metrics
+
+        rl_metrics = read_metrics(rl_out)
+        summary["settings"] = {
+            "worker": settings,
+            "budget": budget,
+            "args": {k: str(v) for k, v in vars(args).items()},
+        }
+        summary["rl_updates"] = updates
+        (state / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot(summary, rl_metrics, state / "speedrun.png")
+        print("\n" + render_table(summary))
+        print(f"\nPNG: {state / 'speedrun.png'}   JSON: {state / 'report.json'}")
+        print("Seconds per stage: " + ", ".join(f"{k} {v:.0f}" for k, v in tl.seconds.items()))
+    except StackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if read_state(state / "stack") is not None:
+            down(state / "stack", say=lambda s: None)
+    print(f"\nspeedrun finished in {tl.elapsed():.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

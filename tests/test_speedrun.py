@@ -1,0 +1,53 @@
+"""`make speedrun`'s short version: every stage of bcstack/speedrun.py through the live stack on a
+world of a few questions — expert collection, gate rows, the copy stage, SFT, three evaluations and
+one RL update after SFT — and the report it writes. The full run (45 minutes) is a command, not a test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from trainer.sinks import read_metrics
+
+
+def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
+    state = tmp_path / "speedrun"
+    result = subprocess.run(
+        [sys.executable, "-m", "bcstack.speedrun", "--state", str(state), "--docs", "400",
+         "--questions-per-tier", "1", "--train-easy", "12", "--train-medium", "0", "--train-hard", "0",
+         "--copy-steps", "4", "--sft-epochs", "1", "--sft-batch", "4", "--rl-minutes", "0.01",
+         "--rl-groups", "1", "--rl-group-size", "2", "--concurrency", "4"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "snippet_words=24" in out  # the observation settings are stated
+    assert "| Untrained tiny |" in out and "| SFT |" in out and "| SFT + RL |" in out
+    assert "exact McNemar p" in out
+
+    report = json.loads((state / "report.json").read_text())
+    assert [s["name"] for s in report["stages"]] == ["Untrained tiny", "SFT", "SFT + RL"]
+    for stage in report["stages"]:
+        assert stage["total"] == 3 and set(stage["tiers"]) == {"easy", "medium", "hard"}
+        assert 0 <= stage["wilson_95"][0] <= stage["wilson_95"][1] <= 1
+    assert [(p["this"], p["baseline"]) for p in report["paired"]] == [
+        ("SFT", "Untrained tiny"),
+        ("SFT + RL", "SFT"),
+    ]
+    assert {"world", "collect", "copy", "sft", "eval untrained", "eval sft", "rl", "eval rl"} <= set(
+        report["seconds"]
+    )
+    assert (state / "speedrun.png").stat().st_size > 10_000
+
+    # SFT ran on the expert's records and the gate rows, balanced, and exported a serving checkpoint.
+    mixture = json.loads((state / "sft" / "mixture.json").read_text())
+    assert [s["name"] for s in mixture["sources"]] == ["core", "gate"]
+    assert mixture["sources"][0]["rows"] == 12  # every expert episode answered its easy question
+    assert (state / "sft" / "serving" / "SHA256SUMS").is_file()
+    sft = read_metrics(state / "sft")
+    assert len(sft) == mixture["steps"] >= 2
+    # One RL update through the stack after SFT, the workers reloaded to it.
+    rl = read_metrics(state / "stack" / "train" / "rl")
+    assert [m["update"] for m in rl] == [1] and rl[0]["weight_version"] == "rl-u1"
