@@ -287,17 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     add("--seed", type=int, default=0, help="world and model seed")
     add("--questions-per-tier", type=int, default=50, help="held-out test questions per tier")
     add("--train-easy", type=int, default=2000, help="easy train questions")
-    add("--train-medium", type=int, default=300, help="medium train questions")
-    add("--train-hard", type=int, default=100, help="hard train questions")
+    add("--train-medium", type=int, default=200, help="medium train questions")
+    add("--train-hard", type=int, default=50, help="hard train questions")
     add("--hidden-size", type=int, default=128, help="tiny model width")
     add("--layers", type=int, default=4, help="tiny model layers")
-    add("--copy-steps", type=int, default=800, help="copy-stage steps (0: none)")
+    add("--copy-steps", type=int, default=200, help="copy-stage steps (0: none)")
     add("--core-repeat", type=int, default=1, help="expert trajectories repeated in the mixture")
     add("--gate-fraction", type=float, default=0.02, help="gate rows' supervised tokens / the core's")
     add("--sft-lr", type=float, default=2e-3, help="SFT peak LR (seed 001: 1e-5, for a pretrained 4B)")
     add("--sft-min-lr", type=float, default=1e-4, help="SFT cosine floor")
     add("--sft-batch", type=int, default=16, help="SFT rows per step (seed 001: 32)")
-    add("--sft-epochs", type=float, default=3.0, help="passes over the constructed mixture")
+    add("--sft-epochs", type=float, default=2.5, help="passes over the constructed mixture")
     add("--sft-micro-batch-tokens", type=int, default=2048,
         help="packed micro-batch (SFT and RL): a dense mask costs T^2, so about two samples")  # fmt: skip
     add(

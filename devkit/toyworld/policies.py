@@ -165,10 +165,31 @@ def expert_worker_policy(messages: Sequence[Message], *, read_snippets: bool = F
         answer, title = ref, ref.title
         kind = "person" if title.endswith(")") else _LEADS_TO.get(relation, "other")
     assert answer is not None
+    if read_snippets:
+        # Quote the sentence the answer comes from, and write the answer after a space: both put the
+        # answer's tokens in the context exactly as they will be written (a tokenizer spells " Zequom"
+        # and "Zequom" differently; the worker strips the space from a parameter value).
+        last_title, last_docid = cited[-1]
+        source = know.pages.get(last_title)
+        text = source.text if source is not None else know.snippets.get(last_title, "")
+        evidence = _sentence_with(text, answer.label)
+        return _say(
+            f"I have followed every step of the question. {evidence}".strip(),
+            _call("finish", answer=f" {answer.label}", explanation=_cite(cited), confidence="95%"),
+        )
     return _say(
         "I have followed every step of the question; finishing.",
         _call("finish", answer=answer.label, explanation=_cite(cited), confidence="95%"),
     )
+
+
+def _sentence_with(text: str, value: str) -> str:
+    """The first sentence of a page or snippet that states `value`."""
+    body = g.normalize(text).split("---")[-1]
+    for sentence in body.replace("\n", " ").split(". "):
+        if value in sentence:
+            return sentence.strip().rstrip(".") + "."
+    return ""
 
 
 def _cite(cited: list[tuple[str, str]]) -> str:
