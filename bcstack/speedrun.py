@@ -84,7 +84,9 @@ class Timeline:
 
     def end(self) -> None:
         if self._stage is not None:
-            self.seconds[self._stage] = round(time.monotonic() - self._at, 1)
+            # A resumed run adds to a stage's seconds: the time spent in it across processes.
+            spent = self.seconds.get(self._stage, 0.0) + time.monotonic() - self._at
+            self.seconds[self._stage] = round(spent, 1)
             print(f"   {self._stage} took {self.seconds[self._stage]:.0f} s", flush=True)
             self._stage = None
             if self.path is not None:
@@ -293,18 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     add("--layers", type=int, default=4, help="tiny model layers")
     add("--copy-steps", type=int, default=200, help="copy-stage steps (0: none)")
     add("--core-repeat", type=int, default=1, help="expert trajectories repeated in the mixture")
-    add("--gate-fraction", type=float, default=0.02, help="gate rows' supervised tokens / the core's")
+    add("--gate-fraction", type=float, default=0.002, help="gate rows' supervised tokens / the core's")
     add("--sft-lr", type=float, default=2e-3, help="SFT peak LR (seed 001: 1e-5, for a pretrained 4B)")
     add("--sft-min-lr", type=float, default=1e-4, help="SFT cosine floor")
     add("--sft-batch", type=int, default=16, help="SFT rows per step (seed 001: 32)")
     add("--sft-epochs", type=float, default=2.5, help="passes over the constructed mixture")
     add("--sft-micro-batch-tokens", type=int, default=2048,
         help="packed micro-batch (SFT and RL): a dense mask costs T^2, so about two samples")  # fmt: skip
-    add(
-        "--budget-factor", type=float, default=1.25, help="tiny worker budget: x the longest expert trajectory"
-    )
+    add("--budget-factor", type=float, default=1.25, help="tiny worker budget: x the longest expert run")
     add("--rl-minutes", type=float, default=8.0, help="wall minutes for RL updates")
-    add("--rl-lr", type=float, default=2e-5, help="RL LR (seed 000: 1e-6, for 4B)")
+    add("--rl-lr", type=float, default=1e-4, help="RL LR (seed 000: 1e-6, for 4B; SFT here ends at 1e-4)")
     add("--rl-groups", type=int, default=8, help="question groups per RL update")
     add("--rl-group-size", type=int, default=8, help="episodes per group")
     add("--concurrency", type=int, default=16, help="episodes in flight")
@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             down(state / "stack", say=lambda s: None)
         budget = _budget_from(records, args.budget_factor)
+        # At least the longest row: a micro-batch holds whole samples.
+        micro_batch = max(args.sft_micro_batch_tokens, int(budget["max_tokens"] / args.budget_factor) + 1)
         print(f"   tiny worker budget: {budget['max_tokens']} tokens, {budget['max_turns']} turns "
               f"({args.budget_factor} x the longest expert trajectory)")  # fmt: skip
         gate = state / "gate.jsonl"
@@ -378,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--source", f"gate={gate}:match=core:fraction={args.gate_fraction}",
                 "--lr", str(args.sft_lr), "--min-lr", str(args.sft_min_lr),
                 "--global-batch", str(args.sft_batch), "--epochs", str(args.sft_epochs),
-                "--micro-batch-tokens", str(args.sft_micro_batch_tokens), "--checkpoint-every", "100",
+                "--micro-batch-tokens", str(micro_batch), "--checkpoint-every", "100",
                 *(["--resume"] if (sft_out / "checkpoints").is_dir() else []),
             ])  # fmt: skip
         sft_model = sft_out / "serving"
@@ -402,23 +404,35 @@ def main(argv: list[str] | None = None) -> int:
         tl.stage("rl", f"bcstack train rl from the SFT model for {args.rl_minutes:g} minutes")
         rl_out = state / "stack" / "train" / "rl"
         deadline = time.monotonic() + 60 * args.rl_minutes
-        updates = 0
-        while time.monotonic() < deadline:
+        from trainer.sinks import read_metrics
+
+        updates = len(read_metrics(rl_out)) if (rl_out / "metrics.jsonl").is_file() else 0
+        rl_error = None
+        while time.monotonic() < deadline and rl_error is None:
             updates += 1
-            _run([
+            try:
+                _run([
                 "train", "rl", "--state", str(state / "stack"), "--questions", str(rl_questions),
                 "--model", str(sft_model), "--ref", str(sft_model), "--out", str(rl_out),
                 "--updates", str(updates), "--groups", str(args.rl_groups),
                 "--group-size", str(args.rl_group_size),
-                "--lr", str(args.rl_lr), "--micro-batch-tokens", str(args.sft_micro_batch_tokens),
+                "--lr", str(args.rl_lr), "--micro-batch-tokens", str(max(micro_batch, budget["max_tokens"])),
                 "--worker-max-tokens", str(budget["max_tokens"]),
                 "--worker-max-turns", str(budget["max_turns"]), "--max-branches", "1",
                 *(["--resume"] if updates > 1 else []),
-            ])  # fmt: skip
-        tl.stage("eval rl", f"the RL model (update {updates}) on {len(test_questions)} held-out questions")
-        evaluate(
-            "rl", _urls(read_state(state / "stack")), test_questions, evals["rl"], budget, args.concurrency
+                ])  # fmt: skip
+            except StackError as e:
+                # Stop RL, keep what it trained, and say so in the report (never a silent stop).
+                updates -= 1
+                rl_error = f"RL stopped before update {updates + 1}: {e}"
+                print(f"   {rl_error}", flush=True)
+        exports = sorted((rl_out / "exports").glob("u*")) if (rl_out / "exports").is_dir() else []
+        rl_model = exports[-1] if exports and updates else sft_model
+        tl.stage(
+            "eval rl", f"the RL model (update {updates}, {rl_model.name}) on {len(test_questions)} questions"
         )
+        info = _stack(state / "stack", str(rl_model), world, kit, index, settings)
+        evaluate("rl", _urls(info), test_questions, evals["rl"], budget, args.concurrency)
         down(state / "stack", say=lambda s: None)
 
         tl.stage("report", "tables, PNG, report.json")
@@ -429,8 +443,6 @@ def main(argv: list[str] | None = None) -> int:
              ("SFT + RL", evals["rl"], "SFT")],
             tl.seconds,
         )  # fmt: skip
-        from trainer.sinks import read_metrics
-
         rl_metrics = read_metrics(rl_out)
         summary["settings"] = {
             "worker": settings,
@@ -438,9 +450,13 @@ def main(argv: list[str] | None = None) -> int:
             "args": {k: str(v) for k, v in vars(args).items()},
         }
         summary["rl_updates"] = updates
+        summary["rl_model"] = str(rl_model)
+        summary["rl_error"] = rl_error
         (state / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot(summary, rl_metrics, state / "speedrun.png")
         print("\n" + render_table(summary))
+        if rl_error:
+            print(f"\n{rl_error}")
         print(f"\nPNG: {state / 'speedrun.png'}   JSON: {state / 'report.json'}")
         print("Seconds per stage: " + ", ".join(f"{k} {v:.0f}" for k, v in tl.seconds.items()))
     except StackError as e:

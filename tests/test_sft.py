@@ -20,7 +20,7 @@ from bcstack.cli import app
 from core.chat_template import render_chat
 from core.checkpoint import verify_checkpoint
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy
-from trainer.sft import SFTConfig, epoch_steps, lr_at, train_sft
+from trainer.sft import SFTConfig, epoch_steps, lr_at, row_order, train_sft
 from trainer.sft_data import (
     SFTDataError,
     SFTSample,
@@ -268,3 +268,12 @@ def test_cli_refuses_a_missing_source_in_one_line(toy_kit, tmp_path):
     )  # fmt: skip
     assert result.exit_code == 2
     assert "no such file" in result.output and "Traceback" not in result.output
+
+
+def test_several_passes_use_every_row_once_per_pass_in_a_new_order():
+    order = row_order(10, 25, seed=42)
+    assert order[:10] == list(range(10))  # the mixture's own shuffled order first
+    assert sorted(order[10:20]) == list(range(10)) and order[10:20] != order[:10]
+    assert len(order) == 25
+    config = SFTConfig(global_batch=4, epochs=2.5)
+    assert epoch_steps(10, config) == 6  # floor(10 x 2.5 / 4)

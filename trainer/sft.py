@@ -73,6 +73,20 @@ def epoch_steps(rows: int, config: SFTConfig) -> int:
     return int(rows * config.epochs) // config.global_batch
 
 
+def row_order(rows: int, needed: int, seed: int) -> list[int]:
+    """Row indices for `needed` slots: the mixture's own (shuffled) order first, then a new seeded
+    permutation for each further pass (`epochs` > 1), so no pass repeats the previous one's order."""
+    import random
+
+    order = list(range(rows))
+    rng = random.Random(seed)
+    while len(order) < needed:
+        again = list(range(rows))
+        rng.shuffle(again)
+        order += again
+    return order[:needed]
+
+
 def lr_at(step: int, total_steps: int, config: SFTConfig) -> float:
     """The learning rate of optimizer step `step` (1-based): linear warm-up, then cosine to min_lr."""
     warmup = math.ceil(config.warmup_fraction * total_steps)
@@ -227,12 +241,13 @@ def train_sft(
         say(f"resumed from {latest} (step {step} of {total_steps})")
     out_dir.mkdir(parents=True, exist_ok=True)
     stop_at = total_steps if max_steps is None else min(total_steps, max_steps)
+    order = row_order(len(mixture.rows), total_steps * config.global_batch, config.seed)
     metrics: dict[str, Any] = {}
     started = time.perf_counter()
     trained_tokens = 0
     while step < stop_at:
         step += 1
-        rows = mixture.rows[(step - 1) * config.global_batch : step * config.global_batch]
+        rows = [mixture.rows[i] for i in order[(step - 1) * config.global_batch : step * config.global_batch]]
         metrics = sft_step(
             model,
             optimizer,

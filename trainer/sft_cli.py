@@ -16,7 +16,7 @@ from rich.table import Table
 from core.kit.cli import fail
 
 
-def _print_mixture(console: Console, mixture, steps: int, batch: int) -> None:  # type: ignore[no-untyped-def]
+def _print_mixture(console: Console, mixture, steps: int, batch: int, epochs: float) -> None:  # type: ignore[no-untyped-def]
     table = Table(title="SFT mixture", title_justify="left")
     for column in ("source", "source rows", "how", "rows", "supervised tokens", "tokens"):
         table.add_column(column, justify="left" if column in ("source", "how") else "right")
@@ -30,9 +30,10 @@ def _print_mixture(console: Console, mixture, steps: int, batch: int) -> None:  
             f"{row['tokens']:,}",
         )
     total = len(mixture.rows)
+    passes = f"{epochs:g} passes, " if epochs != 1 else ""
     table.caption = (
-        f"{total:,} rows, seed {mixture.seed}; {steps:,} steps of {batch} rows (floor division: "
-        f"{total - steps * batch} rows of the last partial batch are not trained on)"
+        f"{total:,} rows, seed {mixture.seed}; {passes}{steps:,} steps of {batch} rows (floor division: "
+        f"{int(total * epochs) - steps * batch} rows of the last partial batch are not trained on)"
     )
     console.print(table)
 
@@ -150,7 +151,7 @@ def sft(
     except SFTDataError as e:
         fail(str(e))
     steps = epoch_steps(len(mixture.rows), config)
-    _print_mixture(console, mixture, steps, global_batch)
+    _print_mixture(console, mixture, steps, global_batch, epochs)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mixture.json").write_text(
         json.dumps(
