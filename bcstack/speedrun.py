@@ -416,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--model", str(sft_model), "--ref", str(sft_model), "--out", str(rl_out),
                 "--updates", str(updates), "--groups", str(args.rl_groups),
                 "--group-size", str(args.rl_group_size),
+                # Synchronous: groups x size x (lag + 1) episodes in flight must fit the worker's 64.
+                "--max-policy-lag", "0",
                 "--lr", str(args.rl_lr), "--micro-batch-tokens", str(max(micro_batch, budget["max_tokens"])),
                 "--worker-max-tokens", str(budget["max_tokens"]),
                 "--worker-max-turns", str(budget["max_turns"]), "--max-branches", "1",

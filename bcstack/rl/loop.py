@@ -427,7 +427,8 @@ class RLRun:
         if not samples:
             raise RLError(
                 f"update {self.update + 1}: nothing to train on ({counts['excluded_episodes']} episodes "
-                f"excluded, {counts['rejected_trajectories']} trajectories rejected)"
+                f"excluded, {counts['rejected_trajectories']} trajectories rejected, "
+                f"{counts['failed_branches']} branches failed with no trajectory: see the episodes' records)"
             )
         credit = sample_credit(samples, episodes)
         _crash_point("update", self.update + 1)
