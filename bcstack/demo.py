@@ -30,6 +30,7 @@ from bcstack.evaluation.loaders import TIERS, EvalQuestion, load_questions
 from bcstack.evaluation.report import build_report, render_markdown, write_report
 from bcstack.stack import StackError, down, read_state, up
 from core import budget
+from trainer.data import longest_trajectory
 
 
 def sample(questions: list[EvalQuestion], per_tier: int) -> list[EvalQuestion]:
@@ -41,21 +42,6 @@ def sample(questions: list[EvalQuestion], per_tier: int) -> list[EvalQuestion]:
             taken[q.tier] += 1
             chosen.append(q)
     return chosen
-
-
-def longest_expert_trajectory(records: Path) -> int:
-    """Tokens of the longest worker trajectory among the expert round's episode records."""
-    from core.record_store import RecordStore
-
-    with RecordStore(records) as store:
-        return max(
-            (
-                len((w.get("trajectory") or {}).get("token_ids", []))
-                for r in store.iter_records()
-                for w in r.get("workers", [])
-            ),
-            default=0,
-        )
 
 
 def _stage(text: str, t0: float) -> None:
@@ -103,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             label="expert",
         )  # fmt: skip
         down(state, say=lambda s: None)
-        longest = longest_expert_trajectory(state / "records.sqlite")
+        longest, _ = longest_trajectory(state / "records.sqlite")
         if args.tiny_max_tokens is None:
             # A perfect tiny model must fit: the budget is the expert's longest trajectory, not a guess.
             args.tiny_max_tokens = -(-longest // 64) * 64

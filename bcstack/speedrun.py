@@ -47,6 +47,7 @@ from typing import Any
 from bcstack.evaluation.cli import run_with_progress
 from bcstack.evaluation.loaders import load_questions
 from bcstack.stack import StackError, down, read_state, up
+from trainer.data import longest_trajectory
 
 # Observations small enough for a CPU run, and a per-turn cap: every one a worker setting
 # (services/worker/settings.py), passed with `bcstack up --worker-setting`.
@@ -142,16 +143,8 @@ def build_assets(state: Path, args: argparse.Namespace) -> dict[str, Path]:
     return {"world": world, "kit": kit, "index": index}
 
 
-def _budget_from(records: Path, factor: float) -> dict[str, int]:
+def _budget_from(longest: int, turns: int, factor: float) -> dict[str, int]:
     """The tiny workers' budget: `factor` x the longest expert trajectory, and its turns + 2."""
-    longest, turns = 0, 0
-    with records.open() as f:
-        for line in f:
-            record = json.loads(line)
-            for worker in record.get("workers", []):
-                traj = worker.get("trajectory") or {}
-                longest = max(longest, len(traj.get("token_ids", [])))
-                turns = max(turns, int(traj.get("turns_used", 0)))
     return {"max_tokens": int(longest * factor), "max_turns": turns + 2}
 
 
@@ -343,9 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             )
             down(state / "stack", say=lambda s: None)
-        budget = _budget_from(records, args.budget_factor)
+        longest, turns = longest_trajectory(records)
+        budget = _budget_from(longest, turns, args.budget_factor)
         # At least the longest row: a micro-batch holds whole samples.
-        micro_batch = max(args.sft_micro_batch_tokens, int(budget["max_tokens"] / args.budget_factor) + 1)
+        micro_batch = max(args.sft_micro_batch_tokens, longest)
         print(f"   tiny worker budget: {budget['max_tokens']} tokens, {budget['max_turns']} turns "
               f"({args.budget_factor} x the longest expert trajectory)")  # fmt: skip
         gate = state / "gate.jsonl"

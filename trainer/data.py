@@ -262,6 +262,18 @@ def load_samples(
     return samples, counts
 
 
+def longest_trajectory(path: Path) -> tuple[int, int]:
+    """(tokens, turns) of the longest worker trajectory in a records file (SQLite or JSONL), and the
+    most turns any trajectory used; (0, 0) for a file with none."""
+    tokens = turns = 0
+    for _, record in read_records(Path(path)):
+        for worker in record.get("workers", []):
+            trajectory = worker.get("trajectory") or {}
+            tokens = max(tokens, len(trajectory.get("token_ids", [])))
+            turns = max(turns, int(trajectory.get("turns_used", 0)))
+    return tokens, turns
+
+
 def group_samples(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
     """Samples by group id: groups in order of first appearance, samples in input order."""
     groups: dict[str, list[Sample]] = {}

@@ -226,9 +226,10 @@ def is_chat_jsonl(path: Path) -> bool:
         return False
     for _, line in _lines(path)[:1]:
         try:
-            return isinstance(json.loads(line), dict) and "messages" in json.loads(line)
+            first = json.loads(line)
         except json.JSONDecodeError:
             return True  # read as chat rows, which refuse the line with its reason
+        return isinstance(first, dict) and "messages" in first
     return True
 
 
