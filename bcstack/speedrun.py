@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     add("--rl-lr", type=float, default=1e-4, help="RL LR (seed 000: 1e-6, for 4B; SFT here ends at 1e-4)")
     add("--rl-groups", type=int, default=8, help="question groups per RL update")
     add("--rl-group-size", type=int, default=8, help="episodes per group")
+    add("--rl-max-policy-lag", type=int, default=0,
+        help="0: synchronous (two cores run rollouts and updates in turn either way)")  # fmt: skip
     add("--concurrency", type=int, default=16, help="episodes in flight")
     args = parser.parse_args(argv)
     state: Path = args.state.resolve()
@@ -397,31 +399,32 @@ def main(argv: list[str] | None = None) -> int:
         )
         tl.stage("rl", f"bcstack train rl from the SFT model for {args.rl_minutes:g} minutes")
         rl_out = state / "stack" / "train" / "rl"
-        deadline = time.monotonic() + 60 * args.rl_minutes
         from trainer.sinks import read_metrics
 
-        updates = len(read_metrics(rl_out)) if (rl_out / "metrics.jsonl").is_file() else 0
         rl_error = None
-        while time.monotonic() < deadline and rl_error is None:
-            updates += 1
+        # One process for the whole stage (a process per update reloads everything each time); it
+        # stops by itself at the time limit with its last update exported and checkpointed, and a
+        # resumed speedrun continues it with the minutes that were left.
+        spent = tl.seconds.get("rl", 0.0)
+        minutes_left = args.rl_minutes - spent / 60
+        if minutes_left > 0:
             try:
                 _run([
                 "train", "rl", "--state", str(state / "stack"), "--questions", str(rl_questions),
                 "--model", str(sft_model), "--ref", str(sft_model), "--out", str(rl_out),
-                "--updates", str(updates), "--groups", str(args.rl_groups),
-                "--group-size", str(args.rl_group_size),
-                # Synchronous: groups x size x (lag + 1) episodes in flight must fit the worker's 64.
-                "--max-policy-lag", "0",
-                "--lr", str(args.rl_lr), "--micro-batch-tokens", str(max(micro_batch, budget["max_tokens"])),
+                "--updates", "1000", "--max-minutes", f"{minutes_left:.4g}",
+                "--groups", str(args.rl_groups), "--group-size", str(args.rl_group_size),
+                "--max-policy-lag", str(args.rl_max_policy_lag), "--lr", str(args.rl_lr),
+                "--micro-batch-tokens", str(max(micro_batch, budget["max_tokens"])),
                 "--worker-max-tokens", str(budget["max_tokens"]),
                 "--worker-max-turns", str(budget["max_turns"]), "--max-branches", "1",
-                *(["--resume"] if updates > 1 else []),
+                *(["--resume"] if (rl_out / "checkpoints").is_dir() else []),
                 ])  # fmt: skip
             except StackError as e:
-                # Stop RL, keep what it trained, and say so in the report (never a silent stop).
-                updates -= 1
-                rl_error = f"RL stopped before update {updates + 1}: {e}"
+                # Keep what it trained, and say so in the report (never a silent stop).
+                rl_error = f"RL stopped: {e}"
                 print(f"   {rl_error}", flush=True)
+        updates = len(read_metrics(rl_out)) if (rl_out / "metrics.jsonl").is_file() else 0
         exports = sorted((rl_out / "exports").glob("u*")) if (rl_out / "exports").is_dir() else []
         rl_model = exports[-1] if exports and updates else sft_model
         tl.stage(

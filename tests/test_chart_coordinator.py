@@ -98,6 +98,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                 "wallTimeSeconds": 1800,
                 "maxConcurrentEpisodes": 64,
                 "workerTimeoutSeconds": 900.5,
+                "workerFullWaitSeconds": 120,
                 "probeOnStart": True,
                 "logLevel": "DEBUG",
             },
@@ -261,6 +262,7 @@ def test_custom_endpoints_workers_and_settings_reach_the_gateway(
     ]
     assert (settings.max_turns, settings.wall_time_seconds, settings.max_concurrent_episodes) == (8, 1800, 64)
     assert settings.worker_timeout_seconds == 900.5
+    assert settings.worker_full_wait_seconds == 120.0
     assert settings.probe_on_start is True and settings.log_level == "DEBUG"
     # Settings left null keep the gateway's own defaults.
     assert settings.max_branches == CoordinatorSettings.model_fields["max_branches"].default

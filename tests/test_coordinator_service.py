@@ -56,10 +56,10 @@ def coordinator_llm(model: str, **faults):
         yield {"port": port, "base_url": _url(port, "/v1"), "model": model}
 
 
-def worker(stack, http: int, grpc_port: int):
+def worker(stack, http: int, grpc_port: int, env: dict[str, str] | None = None):
     args = ["serve", "worker", "--tokenizer", str(stack["tmp"] / "tiny"), "--engine-url", stack["engine"]]
     args += ["--retrieval", stack["retrieval"], "--port", str(http), "--grpc-port", str(grpc_port)]
-    return bcstack_process(args, _url(http, "/health"))
+    return bcstack_process(args, _url(http, "/health"), env=env)
 
 
 @contextlib.contextmanager
@@ -453,6 +453,34 @@ def test_full_gateway_answers_429_with_retry_after(stack):
                     stub.RunEpisode(coordinator_pb2.RunCoordinatorEpisodeRequest(question="x"), timeout=10)
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert first.result().json()["status"] in ("turns", "finish")
+
+
+def test_episodes_beyond_the_workers_capacity_wait_for_room_instead_of_failing(stack):
+    """A worker admitting one episode at a time, four episodes at once through the gateway: the
+    branches the full worker refused wait for room (counted as resource_exhausted attempts) and
+    every episode finishes, as an RL loop with more groups in flight than the workers admit needs."""
+    http, grpc_port = find_free_port(), find_free_port()
+    with worker(stack, http, grpc_port, env={"BCSTACK_WORKER_MAX_CONCURRENT_EPISODES": "1"}):
+        address = f"{LOCAL}:{grpc_port}"
+        with (
+            gateway(stack, "one-slot", [{"name": "a", **stack["llm_a"]}], workers=[address]) as g,
+            cf.ThreadPoolExecutor(4) as pool,
+        ):
+            questions = stack["easy"][:4]
+            bodies = list(
+                pool.map(
+                    lambda q: post(g, {"question": q["query"], "overrides": {"max_branches": 1}}).json(),
+                    questions,
+                )
+            )
+            assert [b["status"] for b in bodies] == ["finish"] * 4
+            refused = _metrics(g["http"])[
+                (
+                    "bcstack_coordinator_worker_attempts_total",
+                    (("outcome", "resource_exhausted"), ("replica", address)),
+                )
+            ]
+            assert refused > 0
 
 
 def test_a_killed_gateway_loses_no_finished_episode(stack):

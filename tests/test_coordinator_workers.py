@@ -22,10 +22,21 @@ TEST_TIMEOUT_SECONDS = 20.0
 class ScriptedWorker(worker_pb2_grpc.WorkerServiceServicer):
     """Answers with its own name in report.answer after `delay` s, or aborts with `abort`."""
 
-    def __init__(self, name: str, *, delay: float = 0.0, abort: grpc.StatusCode | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        delay: float = 0.0,
+        abort: grpc.StatusCode | None = None,
+        capacity: int | None = None,
+    ) -> None:
         self.name = name
         self.delay = delay
         self.abort = abort
+        self.capacity = capacity  # episodes admitted at once; more get RESOURCE_EXHAUSTED
+        self.admitted = 0
+        self.max_admitted = 0
+        self.refused = 0
         self.episode_ids: list[str] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -42,7 +53,17 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServiceServicer):
         try:
             if self.abort is not None:
                 await context.abort(self.abort, f"{self.name} refuses: {self.abort.name.lower()}")
-            await asyncio.sleep(self.delay)
+            if self.capacity is not None:
+                if self.admitted >= self.capacity:
+                    self.refused += 1
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name} is full")
+                self.admitted += 1
+                self.max_admitted = max(self.max_admitted, self.admitted)
+            try:
+                await asyncio.sleep(self.delay)
+            finally:
+                if self.capacity is not None:
+                    self.admitted -= 1
             return worker_pb2.RunWorkerEpisodeResponse(
                 episode_id=request.episode_id,
                 report=common_pb2.WorkerReport(answer=self.name, episode_id=request.episode_id),
@@ -192,6 +213,48 @@ def test_a_replica_answering_resource_exhausted_is_skipped():
 
     run(scenario())
     assert full.calls == 4
+
+
+def test_branches_beyond_the_fleets_capacity_wait_for_room_instead_of_failing():
+    """Twelve branches against two replicas admitting two each: with a full-fleet wait all twelve
+    run (never more than two at once on a replica), and the refusals did not use up the attempts;
+    without one, the branches that found the fleet full three times fail, naming the status."""
+    workers = [ScriptedWorker(name, delay=0.2, capacity=2) for name in ("a", "b")]
+
+    async def scenario() -> None:
+        async with serving(*workers) as servers:
+            addresses = [s.address for s in servers]
+            pool = WorkerPool(addresses, attempts=3, full_wait_seconds=15.0)
+            outcomes = await asyncio.gather(*(pool.run(branch_request()) for _ in range(12)))
+            for outcome in outcomes:
+                assert_succeeded(outcome)
+            assert max(o.attempts for o in outcomes) > 3  # waited through more refusals than attempts
+            assert [w.max_admitted for w in workers] == [2, 2]
+            assert sum(w.refused for w in workers) > 0
+            await pool.close()
+
+            strict = WorkerPool(addresses, attempts=3)  # full_wait_seconds=0: a refusal is an attempt
+            outcomes = await asyncio.gather(*(strict.run(branch_request()) for _ in range(12)))
+            failed = [o for o in outcomes if o.response is None]
+            assert failed and len(failed) <= 8
+            assert all(o.error.startswith("all 3 attempts failed; last:") for o in failed), [
+                o.error for o in failed
+            ]
+            assert all("RESOURCE_EXHAUSTED" in o.error for o in failed), [o.error for o in failed]
+            await strict.close()
+
+            bounded = WorkerPool(addresses, attempts=1, full_wait_seconds=0.3)
+            outcomes = await asyncio.gather(*(bounded.run(branch_request()) for _ in range(12)))
+            waited = [o for o in outcomes if o.response is None]
+            assert waited and all("for a full fleet" in o.error for o in waited)
+            await bounded.close()
+
+    run(scenario())
+
+
+def test_full_wait_seconds_is_checked():
+    with pytest.raises(ValueError, match="full_wait_seconds must be >= 0"):
+        WorkerPool(["127.0.0.1:1"], full_wait_seconds=-1)
 
 
 def test_all_replicas_down_is_a_failed_outcome_naming_the_last_status():

@@ -231,6 +231,22 @@ def test_judge_parse_errors_exclude_episodes_and_a_dead_judge_stops_the_run(rl_s
     assert lines(rl_stack["state"] / "train" / "dead-judge" / "metrics.jsonl") == []
 
 
+def test_a_time_limit_stops_after_the_update_in_progress_and_resume_continues(rl_stack: dict) -> None:
+    out = rl_stack["state"] / "train" / "limited"
+    done = train_rl(rl_stack, "limited", "--updates", "5", "--max-minutes", "0.001", "--max-policy-lag", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "time limit (0.001 min) reached at update 1" in done.stdout
+    assert [m["update"] for m in lines(out / "metrics.jsonl")] == [1]
+    assert (out / "checkpoints" / "step-00000001").is_dir() and (out / "exports" / "u000001").is_dir()
+    done = train_rl(rl_stack, "limited", "--updates", "2", "--max-policy-lag", "0", "--resume")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [m["update"] for m in lines(out / "metrics.jsonl")] == [1, 2]
+
+    bad = train_rl(rl_stack, "limited-bad", "--max-minutes", "0")
+    assert bad.returncode != 0 and "--max-minutes must be > 0" in bad.stdout + bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_kill_9_at_any_phase_then_resume_applies_no_update_twice(rl_stack: dict) -> None:
     out = rl_stack["state"] / "train" / "crash"
     for phase, update in (("rollouts", 2), ("update", 3), ("export", 3), ("reload", 4)):

@@ -89,6 +89,12 @@ def rl(
         "from here, so they must see it: a shared volume, or --worker-checkpoint-root).",
     ),
     updates: int = typer.Option(1, "--updates", min=0, help="Train until the policy has this many updates."),
+    max_minutes: float | None = typer.Option(
+        None,
+        "--max-minutes",
+        help="Wall-clock limit of this process: no update starts after it (the last one is finished, "
+        "exported and checkpointed, so --resume continues). --updates stays the most.",
+    ),
     groups: int = typer.Option(8, "--groups", min=1, help="Question groups per update (seed 000: 8)."),
     group_size: int = typer.Option(8, "--group-size", min=1, help="Episodes per group (seed 000: 8)."),
     max_policy_lag: int = typer.Option(
@@ -210,6 +216,7 @@ def rl(
         workers=urls,
         admin_token=token,
         updates=updates,
+        max_seconds=None if max_minutes is None else 60 * max_minutes,
         groups=groups,
         group_size=group_size,
         max_policy_lag=max_policy_lag,

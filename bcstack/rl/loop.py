@@ -94,6 +94,8 @@ class RLConfig:
     workers: list[str]
     admin_token: str
     updates: int = 1
+    # Wall-clock limit: no update starts after this many seconds of the run (None: --updates alone).
+    max_seconds: float | None = None
     groups: int = GROUPS_PER_STEP
     group_size: int = 8
     max_policy_lag: int = 1
@@ -160,6 +162,8 @@ class RLRun:
     ) -> None:
         if config.groups < 1 or config.group_size < 1 or config.updates < 0 or config.max_policy_lag < 0:
             raise RLError("--groups and --group-size must be at least 1, --updates and --max-policy-lag >= 0")
+        if config.max_seconds is not None and config.max_seconds <= 0:
+            raise RLError(f"--max-minutes must be > 0, got {config.max_seconds / 60:g}")
         self.cfg = config
         self.say = say
         self.on_metrics = on_metrics or (lambda _m: None)
@@ -476,8 +480,15 @@ class RLRun:
             producer = asyncio.create_task(self._produce())
             rollout_clock = time.perf_counter()
             rollout_tokens = 0
+            deadline = None if cfg.max_seconds is None else time.monotonic() + cfg.max_seconds
             try:
                 while self.update < cfg.updates:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        self.say(
+                            f"time limit ({cfg.max_seconds / 60:g} min) reached at update {self.update}; "
+                            "stopping with everything checkpointed (--resume continues)"
+                        )
+                        break
                     batch, counts = await self._collect()
                     self.dropped_total += counts["dropped_stale"]
                     rollout_tokens += sum(r.rollout_tokens() for r in batch)

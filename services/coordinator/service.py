@@ -267,6 +267,7 @@ def build(settings: CoordinatorSettings) -> tuple[FastAPI, GrpcServer | None, Ga
         settings.workers,
         attempts=settings.worker_attempts,
         timeout_seconds=settings.worker_timeout_seconds,
+        full_wait_seconds=settings.worker_full_wait_seconds,
         on_attempt=lambda replica, outcome: metrics.worker_attempts.labels(replica, outcome).inc(),
         max_message_bytes=settings.grpc_max_message_bytes,
     )

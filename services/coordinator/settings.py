@@ -61,6 +61,12 @@ class CoordinatorSettings(ServiceSettings):
         3, ge=1, description="replicas tried for one branch before it is reported failed"
     )
     worker_timeout_seconds: float = Field(3600.0, gt=0, description="one worker episode at most")
+    worker_full_wait_seconds: float = Field(
+        600.0,
+        ge=0,
+        description="how long a branch waits while every worker answers RESOURCE_EXHAUSTED (full) "
+        "before it fails; refusals while waiting do not use up worker_attempts (0: they do)",
+    )
 
     # --- the episode loop (overridable per request) ---
     max_turns: int = Field(16, ge=1, description="coordinator turns per episode")

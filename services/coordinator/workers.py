@@ -10,7 +10,11 @@ service replicas over gRPC, failing over to another replica when one is down or 
 Routing: the replica with the fewest branches in flight from this pool (ties round-robin). A
 replica failure (UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, UNKNOWN, INTERNAL, ABORTED,
 a server-side CANCELLED) moves the branch to a replica it has not tried; once all were tried, the
-least recently failed one is retried after a short backoff, up to `attempts` in total. Every attempt
+least recently failed one is retried after a short backoff, up to `attempts` in total. A replica
+that answers RESOURCE_EXHAUSTED is full, not broken: while every replica is full the branch waits
+for one to admit it (polling at the backoff, at most once a second) for up to `full_wait_seconds`,
+and those refusals do not use up its attempts, so a burst of branches larger than the fleet admits
+(an RL loop keeping G·(L+1) groups in flight) queues here instead of failing. Every attempt
 carries the same episode_id, so the worker records of one branch share one id. A request error
 (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) fails the branch at once: another replica would refuse
 it too. A replica that answered UNAVAILABLE is "down" for `cooldown_seconds` and is only chosen
@@ -106,9 +110,11 @@ class WorkerPool:
         on_attempt: Callable[[str, str], None] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         cooldown_seconds: float = 5.0,
+        full_wait_seconds: float = 0.0,
     ) -> None:
         """`on_attempt(address, outcome)` is called after every attempt with "ok" or the gRPC status
-        name in lower case ("unavailable", "resource_exhausted", ...), e.g. to count it in metrics."""
+        name in lower case ("unavailable", "resource_exhausted", ...), e.g. to count it in metrics.
+        `full_wait_seconds`: how long a branch waits for a full fleet (0: a refusal is an attempt)."""
         if not addresses:
             raise ValueError("workers: give at least one worker gRPC address")
         repeated = sorted({a for a in addresses if addresses.count(a) > 1})
@@ -120,10 +126,13 @@ class WorkerPool:
             raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds}")
         if cooldown_seconds < 0:
             raise ValueError(f"cooldown_seconds must be >= 0, got {cooldown_seconds}")
+        if full_wait_seconds < 0:
+            raise ValueError(f"full_wait_seconds must be >= 0, got {full_wait_seconds}")
         self._replicas = [_Replica(address) for address in addresses]
         self.attempts = attempts
         self.timeout_seconds = timeout_seconds
         self.cooldown_seconds = cooldown_seconds
+        self.full_wait_seconds = full_wait_seconds
         self._on_attempt = on_attempt
         self._max_message_bytes = max_message_bytes
         self._next = 0  # round-robin start among replicas tied on in-flight count
@@ -181,16 +190,20 @@ class WorkerPool:
         tried: set[str] = set()
         backoffs = 0
         last_error = ""
-        for attempt in range(1, self.attempts + 1):
+        failures = 0  # attempts used up: refusals while waiting for a full fleet are not counted
+        calls = 0
+        full_since: float | None = None
+        while failures < self.attempts:
             replica, again = self._pick(tried)
             if again:
                 await asyncio.sleep(min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2**backoffs))
                 backoffs += 1
                 if self._closed:
-                    return BranchOutcome(None, None, attempt - 1, f"worker pool closed; last: {last_error}")
+                    return BranchOutcome(None, None, calls, f"worker pool closed; last: {last_error}")
             tried.add(replica.address)
             stub = self._stub(replica)
             replica.in_flight += 1
+            calls += 1
             try:
                 response = await stub.RunEpisode(request, timeout=self.timeout_seconds)
             except grpc.aio.AioRpcError as exc:
@@ -202,13 +215,18 @@ class WorkerPool:
                 self._report(replica.address, code.name.lower())
                 last_error = _describe(replica.address, exc)
                 if self._closed:
-                    return BranchOutcome(None, None, attempt, f"worker pool closed; last: {last_error}")
+                    return BranchOutcome(None, None, calls, f"worker pool closed; last: {last_error}")
                 if code not in RETRYABLE_CODES:
-                    return BranchOutcome(None, None, attempt, f"{last_error} (a request error: not retried)")
+                    return BranchOutcome(None, None, calls, f"{last_error} (a request error: not retried)")
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.full_wait_seconds > 0:
+                    full_since = replica.last_failed_at if full_since is None else full_since
+                    if replica.last_failed_at - full_since < self.full_wait_seconds:
+                        continue  # full: wait for room (the backoff above paces the polls)
+                failures += 1
                 log.info(
                     "branch %s attempt %d/%d failed: %s",
                     request.episode_id,
-                    attempt,
+                    failures,
                     self.attempts,
                     last_error,
                 )
@@ -220,7 +238,7 @@ class WorkerPool:
                 if self._closed and task is not None and not task.cancelling():
                     self._report(replica.address, "cancelled")
                     return BranchOutcome(
-                        None, None, attempt, f"worker pool closed while {replica.address} ran it"
+                        None, None, calls, f"worker pool closed while {replica.address} ran it"
                     )
                 raise
             finally:
@@ -228,9 +246,12 @@ class WorkerPool:
             replica.ok += 1
             replica.down_until = 0.0
             self._report(replica.address, "ok")
-            return BranchOutcome(response, replica.address, attempt, "")
+            return BranchOutcome(response, replica.address, calls, "")
+        waited = (
+            "" if full_since is None else f" (waited {time.monotonic() - full_since:.0f} s for a full fleet)"
+        )
         return BranchOutcome(
-            None, None, self.attempts, f"all {self.attempts} attempts failed; last: {last_error}"
+            None, None, calls, f"all {self.attempts} attempts failed{waited}; last: {last_error}"
         )
 
     def view(self) -> list[dict]:

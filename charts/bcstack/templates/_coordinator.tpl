@@ -130,7 +130,7 @@ Takes (dict "context" $ "c" $c).
 {{- $_ := set $config $setting ($value | int64) }}
 {{- end }}
 {{- end }}
-{{- range $key, $setting := dict "wallTimeSeconds" "wall_time_seconds" "workerTimeoutSeconds" "worker_timeout_seconds" "breakerResetSeconds" "breaker_reset_seconds" }}
+{{- range $key, $setting := dict "wallTimeSeconds" "wall_time_seconds" "workerTimeoutSeconds" "worker_timeout_seconds" "workerFullWaitSeconds" "worker_full_wait_seconds" "breakerResetSeconds" "breaker_reset_seconds" }}
 {{- $value := index $s $key }}
 {{- if not (kindIs "invalid" $value) }}
 {{- $_ := set $config $setting ($value | float64) }}
