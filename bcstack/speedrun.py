@@ -5,16 +5,18 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
 
 1. world    one toy world with a test split (50 questions per tier, the demo's) and a large train split
             (`--train-easy` plus medium and hard) whose questions read no page a test question reads;
-            the tiny kit (its tokenizer is trained on the fixed toy text, so it serves any world; the
-            model is bigger than the demo's: `--hidden-size`, `--layers`); a lexical-only index
+            the tiny kit (its tokenizer is trained on the fixed toy text, so it serves any world, and
+            keeps a year whole, `--number-digits`; the model is bigger than the demo's:
+            `--hidden-size`, `--layers`); a lexical-only index
             (`--dense none`: the dense embedder is ~55 ms per document here);
 2. collect  the scripted expert answers every train question through the stack (`expert-snippets`:
             it takes a fact from a search snippet when the snippet states it, and writes names as it
             read them, so what it does can be learnt by copying); the records are
             exported (JSONL, not a copy of the live SQLite file) and become SFT samples with their
             exact token ids and masks; gate rows are made from them (core/gate.py);
-3. copy     a copy-inducing stage (trainer/copy_stage.py): random spans followed by themselves, so
-            the model from scratch learns to copy from its context before it learns the job;
+3. copy     a copy-inducing stage (trainer/copy_stage.py): spans followed by themselves (random ids,
+            and windows of the tokenizer's fixed toy text, a world no stack evaluates on), so the
+            model from scratch learns to copy from its context before it learns the job;
 4. sft      `trainer.sft` on the token-balanced mixture: expert trajectories x `--core-repeat` and gate
             rows sampled to `--gate-fraction` of their supervised tokens; settings scaled for a model
             trained from scratch (LR, batch), printed;
@@ -137,7 +139,7 @@ def build_assets(state: Path, args: argparse.Namespace) -> dict[str, Path]:
             hidden_size=h, num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
             head_dim=h // 4, intermediate_size=3 * h,
         )  # fmt: skip
-        build_tiny_kit(kit, seed=args.seed, shape=shape)
+        build_tiny_kit(kit, seed=args.seed, shape=shape, number_digits=args.number_digits)
     if not (index / "manifest.json").is_file():
         _run(["index", "--corpus", str(world / "corpus.jsonl"), "--index-dir", str(index), "--dense", "none"])
     return {"world": world, "kit": kit, "index": index}
@@ -286,13 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     add("--train-hard", type=int, default=50, help="hard train questions")
     add("--hidden-size", type=int, default=128, help="tiny model width")
     add("--layers", type=int, default=4, help="tiny model layers")
-    add("--copy-steps", type=int, default=200, help="copy-stage steps (0: none)")
+    add("--number-digits", type=int, default=4,
+        help="digit runs kept together by the tokenizer (Qwen3: 1); 4: a year is one token")  # fmt: skip
+    add("--copy-steps", type=int, default=300, help="copy-stage steps (0: none)")
+    add("--copy-text-fraction", type=float, default=0.75,
+        help="share of copy rows that are toy text (its repeated tokens need longer matches)")  # fmt: skip
     add("--core-repeat", type=int, default=1, help="expert trajectories repeated in the mixture")
     add("--gate-fraction", type=float, default=0.002, help="gate rows' supervised tokens / the core's")
     add("--sft-lr", type=float, default=2e-3, help="SFT peak LR (seed 001: 1e-5, for a pretrained 4B)")
     add("--sft-min-lr", type=float, default=1e-4, help="SFT cosine floor")
     add("--sft-batch", type=int, default=16, help="SFT rows per step (seed 001: 32)")
-    add("--sft-epochs", type=float, default=2.5, help="passes over the constructed mixture")
+    add("--sft-epochs", type=float, default=2.75, help="passes over the constructed mixture")
     add("--sft-micro-batch-tokens", type=int, default=2048,
         help="packed micro-batch (SFT and RL): a dense mask costs T^2, so about two samples")  # fmt: skip
     add("--budget-factor", type=float, default=1.25, help="tiny worker budget: x the longest expert run")
@@ -356,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
 
         base = state / "base"
         if args.copy_steps and not (base / "config.json").is_file():
-            tl.stage("copy", f"copy-inducing stage, {args.copy_steps} steps")
+            share = f"{args.copy_text_fraction:.0%}"
+            tl.stage("copy", f"copy-inducing stage, {args.copy_steps} steps ({share} of rows: toy text)")
+            from devkit.modelkit.corpus import toy_world_corpus
             from trainer.copy_stage import copy_pretrain
 
             def show(step: int, m: dict) -> None:
@@ -364,7 +372,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"   copy step {step}: loss {m['loss']:.3f}, "
                           f"copy accuracy {m['copy_accuracy']:.3f}", flush=True)  # fmt: skip
 
-            copy_pretrain(kit, base, steps=args.copy_steps, on_step=show)
+            # The tokenizer's own text (a world no stack evaluates on): no held-out entity in it.
+            texts = [d["text"] for d in toy_world_corpus().documents]
+            copy_pretrain(
+                kit, base, steps=args.copy_steps, texts=texts, text_fraction=args.copy_text_fraction,
+                on_step=show,
+            )  # fmt: skip
         start_model = base if args.copy_steps else kit
 
         sft_out = state / "sft"

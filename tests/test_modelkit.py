@@ -358,3 +358,33 @@ def test_default_corpus_is_the_toy_world(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls == [DEFAULT_TOY_WORLD] == [{"n_docs": 2000, "seed": 7919}]
     assert corpus.source == "toyworld"
     assert corpus.documents == [{"docid": "7", "text": "Kalo Ter", "url": "https://toy.example/7"}]
+
+
+def test_number_digits_keeps_a_year_whole_and_the_default_is_qwens(corpus_file: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from devkit.modelkit.tokenizer import QWEN_PRETOKENIZE_REGEX, pretokenize_regex
+
+    assert pretokenize_regex() == QWEN_PRETOKENIZE_REGEX
+    assert r"\p{N}{1,4}" in pretokenize_regex(4)
+    with pytest.raises(ValueError, match="at least 1"):
+        pretokenize_regex(0)
+    command = [sys.executable, "-m", "bcstack", "model", "tiny", "--out", str(tmp_path / "kit4")]
+    command += ["--corpus", str(corpus_file), "--vocab-size", str(BPE_VOCAB), "--number-digits", "4"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads((tmp_path / "kit4" / MANIFEST_FILE).read_text())["tokenizer"]["number_digits"] == 4
+    grouped = AutoTokenizer.from_pretrained(tmp_path / "kit4")
+    pieces = grouped.tokenize("founded in 17945 in 1794")
+    assert all(len(p.strip("Ġ")) <= 4 for p in pieces if p.strip("Ġ").isdigit())
+    assert sum(p.strip("Ġ").isdigit() for p in pieces) < 9  # fewer tokens than one per digit
+    # Still a lossless byte-level tokenizer, and the chat template's prefix property holds.
+    text = "docid: 55841, born in 1830; 0123456789 x9"
+    assert grouped.decode(grouped(text, add_special_tokens=False)["input_ids"]) == text
+    messages = [{"role": "user", "content": "In what year? 1794"}]
+    prompt = grouped.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    full = grouped.apply_chat_template(
+        [*messages, {"role": "assistant", "content": "<think>\n1794\n</think>\n\n 1794"}], tokenize=False
+    )
+    prompt_ids = grouped(prompt, add_special_tokens=False)["input_ids"]
+    assert grouped(full, add_special_tokens=False)["input_ids"][: len(prompt_ids)] == prompt_ids

@@ -68,12 +68,14 @@ def _write_kit(
     bpe_vocab_size: int,
     shape: TinyQwen3Shape,
     step: Callable[[str], None],
+    number_digits: int = 1,
 ) -> dict[str, Any]:
     step("Training the byte-level BPE tokenizer")
     tokenizer = train_tokenizer(
         (doc["text"] for doc in corpus.documents),
         bpe_vocab_size=bpe_vocab_size,
         chat_template=load_chat_template(),
+        number_digits=number_digits,
     )
     save_tokenizer(tokenizer, folder)
 
@@ -107,6 +109,7 @@ def _write_kit(
         "tokenizer": {
             "bpe_vocab_size_requested": bpe_vocab_size,
             "bpe_vocab_size": len(tokenizer) - len(ADDED_TOKENS),
+            "number_digits": number_digits,
             "added_tokens": list(ADDED_TOKENS),
             "size": len(tokenizer),
             "eos_token": tokenizer.eos_token,
@@ -137,10 +140,12 @@ def build_tiny_kit(
     force: bool = False,
     shape: TinyQwen3Shape = TinyQwen3Shape(),
     step: Callable[[str], None] | None = None,
+    number_digits: int = 1,
 ) -> dict[str, Any]:
     """Build the kit into `out_dir` and return its manifest (also written as `bcstack_model.json`).
 
     `corpus_path` is a BrowseComp-Plus corpus JSONL; without it the toy world's corpus is used.
+    `number_digits`: digit runs kept together by the pre-tokenizer (1: Qwen3's single digits).
     `step` is called with a short description as each stage starts (for progress output).
     Raises `CorpusError` for a bad corpus and `OutputDirError` for a non-empty `out_dir`
     without `force`; in both cases nothing is written.
@@ -157,7 +162,7 @@ def build_tiny_kit(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        manifest = _write_kit(staging, corpus, seed, bpe_vocab_size, shape, step)
+        manifest = _write_kit(staging, corpus, seed, bpe_vocab_size, shape, step, number_digits)
         _check_output_dir(out_dir, force)  # someone may have filled it while we built
         swap_in(staging, out_dir)
     finally:

@@ -63,6 +63,14 @@ def tiny(
     intermediate_size: int | None = typer.Option(
         None, "--intermediate-size", min=8, help="MLP width. Default: 3 x hidden.", show_default=False
     ),
+    number_digits: int = typer.Option(
+        1,
+        "--number-digits",
+        min=1,
+        max=8,
+        help="Digit runs the pre-tokenizer keeps together: 1 is Qwen3's (every digit a token); 4 lets "
+        "a year be one token, which a model trained from scratch copies far more easily.",
+    ),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder."),
 ) -> None:
     """Build the tiny model kit (see _TINY_HELP)."""
@@ -107,6 +115,7 @@ def tiny(
                 shape=shape,
                 force=force,
                 step=step,
+                number_digits=number_digits,
             )
         except (CorpusError, OutputDirError) as error:
             console.print("[red]error:[/]", escape(str(error)), highlight=False, soft_wrap=True)

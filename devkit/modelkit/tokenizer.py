@@ -70,12 +70,23 @@ PROTOCOL_TEXTS = (
 _PROTOCOL_REPEATS = 64  # enough for the pairs inside them to clear min_frequency and rank early
 
 
-def _untrained_tokenizer() -> Tokenizer:
+def pretokenize_regex(number_digits: int = 1) -> str:
+    """Qwen's pattern, with digit runs of up to `number_digits` kept together (Qwen3: 1, each digit
+    its own pre-token). A model that must copy a year from its context copies one or two tokens
+    instead of four digits, each of which appears all over the context (years, docids)."""
+    if number_digits < 1:
+        raise ValueError(f"number_digits must be at least 1, got {number_digits}")
+    if number_digits == 1:
+        return QWEN_PRETOKENIZE_REGEX
+    return QWEN_PRETOKENIZE_REGEX.replace(r"|\p{N}|", rf"|\p{{N}}{{1,{number_digits}}}|", 1)
+
+
+def _untrained_tokenizer(number_digits: int = 1) -> Tokenizer:
     tokenizer = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(pretokenize_regex(number_digits)), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -88,6 +99,7 @@ def train_tokenizer(
     texts: Iterable[str],
     bpe_vocab_size: int = DEFAULT_BPE_VOCAB_SIZE,
     chat_template: str | None = None,
+    number_digits: int = 1,
 ) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE on `texts` (plus the protocol scaffolding) and add Qwen3's tokens.
 
@@ -99,7 +111,7 @@ def train_tokenizer(
 
     if bpe_vocab_size < 256:
         raise ValueError(f"bpe_vocab_size must be at least 256 (the byte alphabet), got {bpe_vocab_size}")
-    tokenizer = _untrained_tokenizer()
+    tokenizer = _untrained_tokenizer(number_digits)
     trainer = BpeTrainer(
         vocab_size=bpe_vocab_size,
         min_frequency=2,
