@@ -17,13 +17,16 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "bcstack.speedrun", "--state", str(state), "--docs", "400",
          "--questions-per-tier", "1", "--train-easy", "12", "--train-medium", "0", "--train-hard", "0",
-         "--copy-steps", "4", "--sft-epochs", "1", "--sft-batch", "4", "--rl-minutes", "0.01",
-         "--rl-groups", "1", "--rl-group-size", "2", "--concurrency", "4"],
+         "--hidden-size", "32", "--layers", "1", "--copy-steps", "4", "--sft-epochs", "1", "--sft-batch", "4",
+         "--rl-minutes", "0.01", "--rl-groups", "1", "--rl-group-size", "2", "--concurrency", "4"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "snippet_words=24" in out  # the observation settings are stated
+    assert "(75% of rows: toy text)" in out
+    kit = json.loads((state / "kit" / "bcstack_model.json").read_text())
+    assert kit["tokenizer"]["number_digits"] == 4 and kit["model"]["shape"]["hidden_size"] == 32
     assert "| Untrained tiny |" in out and "| SFT |" in out and "| SFT + RL |" in out
     assert "exact McNemar p" in out
 
