@@ -18,7 +18,10 @@ micro-batch log-probs, `grpo_loss` and a backward scaled for gradient accumulati
 clip and one AdamW step. The variants, each on its own copy of the same weights:
 
 - packed N: `grpo_step` itself with a micro-batch budget of N tokens (`trainer.packing`: first fit
-  decreasing, one row per micro-batch, block-diagonal causal 4D mask, no padding);
+  decreasing, one row per micro-batch, no padding) and the trainer's attention, `trainer.attention`'s
+  varlen function (causal attention on each sample's slice of the row; no mask tensor);
+- packed N dense: the same step with "sdpa" attention given the row's block-diagonal causal 4D mask
+  (what the trainer did before: T x T mask, every cross-sample pair computed and masked);
 - padded: the same update (`padded_grpo_step` below) on B = round(64 / micro-batches of the first
   packed budget) samples per micro-batch, in rollout order, each micro-batch right-padded to its
   own longest sample (2-D padding mask, the plain transformers path): as many micro-batches as
@@ -94,6 +97,8 @@ from trainer.grpo import (  # noqa: E402
 )
 from trainer.loss import grpo_loss  # noqa: E402
 from trainer.packing import pack_micro_batches, per_token_logprobs  # noqa: E402
+
+DENSE = "sdpa"  # the dense-mask implementation the "packed N dense" and padded variants run
 
 PROMPTS = 8
 EPISODES = 8
@@ -331,20 +336,32 @@ def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int, ma
         flush=True,
     )
 
-    # Each variant: its step function, and the micro-batch widths [(rows, width)] it will run.
-    variants: dict[str, tuple[Callable, list[tuple[int, int]]]] = {}
+    # The dense-mask variants' frozen reference: the same weights with "sdpa" attention.
+    dense_ref = copy.deepcopy(ref)
+    dense_ref.set_attn_implementation(DENSE)
+    # Each variant: its step function, the micro-batch widths [(rows, width)] it will run, its
+    # attention implementation, and the attention pairs it computes.
+    variants: dict[str, tuple[Callable, list[tuple[int, int]], str, int]] = {}
     build_s = {}
     for budget in budgets:
         started = time.perf_counter()
         packed = pack_micro_batches(samples, budget)
-        build_s[f"packed {budget}"] = time.perf_counter() - started
+        build_s[f"packed {budget}"] = build_s[f"packed {budget} dense"] = time.perf_counter() - started
+        shapes = [(1, b.num_tokens) for b in packed]
 
         def step(policy, optimizer, budget=budget):
             return grpo_step(policy, ref, optimizer, samples, credit, micro_batch_tokens=budget)
 
-        variants[f"packed {budget}"] = (step, [(1, b.num_tokens) for b in packed])
+        def dense_step(policy, optimizer, budget=budget):
+            return grpo_step(policy, dense_ref, optimizer, samples, credit, micro_batch_tokens=budget)
+
+        own_pairs = sum(n * n for n in lengths)
+        variants[f"packed {budget}"] = (step, shapes, policy.config._attn_implementation, own_pairs)
+        variants[f"packed {budget} dense"] = (dense_step, shapes, DENSE, sum(w * w for _, w in shapes))
     # The padded baselines get as many micro-batches as packing under the first budget.
     size = max(1, round(len(samples) / len(variants[f"packed {budgets[0]}"][1])))
+    # (A varlen model would drop a 2-D padding mask: transformers builds no mask for an attention
+    # function it does not know. The padded variants run the dense implementation.)
     in_order = chunks(range(len(samples)), size)
     by_length = chunks(sorted(range(len(samples)), key=lambda i: lengths[i]), size)
     for name, bins, width in (
@@ -360,24 +377,36 @@ def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int, ma
         build_s[name] = time.perf_counter() - started
 
         def step(policy, optimizer, bins=bins, width=width):
-            return padded_grpo_step(policy, ref, optimizer, samples, credit, bins, width, pad_id)
+            return padded_grpo_step(policy, dense_ref, optimizer, samples, credit, bins, width, pad_id)
 
-        variants[name] = (step, shapes)
+        variants[name] = (step, shapes, DENSE, sum(rows * width**2 for rows, width in shapes))
 
     # Attention scores the step computes (query x key pairs, causal or not) against the ones its
     # samples need (sum of length^2): a packed row's dense mask pays for every cross-sample pair.
     needed_pairs = sum(n * n for n in lengths)
     results = {}
-    for name, (_, shapes) in variants.items():
+    for name, (_, shapes, implementation, pairs) in variants.items():
         slots = sum(rows * width for rows, width in shapes)
         widths = [width for _, width in shapes]
         model = copy.deepcopy(policy)
+        model.set_attn_implementation(implementation)
+        # The largest mask a micro-batch allocates: a packed row's dense bool + additive float32 T x T
+        # masks (5 bytes a pair); a padded batch's boolean [B, 1, T, T] mask that transformers builds for
+        # sdpa (1 byte); nothing for the varlen route (its cumulative lengths are O(samples)).
+        rows_w = max(shapes, key=lambda rw: rw[0] * rw[1] ** 2)
+        mask_bytes = (
+            0
+            if implementation != DENSE
+            else rows_w[0] * rows_w[1] ** 2 * (5 if name.startswith("packed") else 1)
+        )
         results[name] = {
+            "attention": implementation,
+            "mask_bytes": mask_bytes,
             "micro_batches": len(shapes),
             "shape": f"{len(shapes)} x [{shapes[0][0]}, {min(widths)}..{max(widths)}]",
             "slots": slots,
             "padding_fraction": 1 - real_tokens / slots,
-            "attention_pairs_vs_needed": sum(rows * width**2 for rows, width in shapes) / needed_pairs,
+            "attention_pairs_vs_needed": pairs / needed_pairs,
             "build_s": build_s[name],
             "model": model,
             "optimizer": make_optimizer(model),
@@ -385,7 +414,7 @@ def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int, ma
         }
 
     for rep in range(repeats + 1):
-        for name, (step, _) in variants.items():
+        for name, (step, *_) in variants.items():
             r = results[name]
             with first_update_gradients(r["optimizer"], r["model"]) as grads:
                 started = time.perf_counter()
@@ -411,6 +440,8 @@ def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int, ma
         rows.append(
             {
                 "variant": name,
+                "attention": r["attention"],
+                "mask_bytes": r["mask_bytes"],
                 "micro_batches": r["micro_batches"],
                 "shape": r["shape"],
                 "step_s": step_s,
@@ -450,7 +481,8 @@ def print_packing(result: dict) -> None:
         f"{result['threads']} torch thread(s); median of the timed steps"
     )
     header = (
-        ("variant", 14),
+        ("variant", 18),
+        ("attention", 14),
         ("micro-batches", 22),
         ("step s", 7),
         ("real tok/s", 10),
@@ -464,7 +496,8 @@ def print_packing(result: dict) -> None:
     print(" ".join(f"{name:>{width}}" for name, width in header))
     for r in result["rows"]:
         print(
-            f"{r['variant']:>14} {r['shape']:>22} {r['step_s']:>7.2f} {r['real_tokens_per_s']:>10,.0f} "
+            f"{r['variant']:>18} {r['attention']:>14} {r['shape']:>22} {r['step_s']:>7.2f} "
+            f"{r['real_tokens_per_s']:>10,.0f} "
             f"{r['slots_per_s']:>9,.0f} {r['padding_fraction']:>8.1%} "
             f"{r['attention_pairs_vs_needed']:>9.2f}x {r['tokens_per_s_vs_padded']:>14.2f} "
             f"{r['build_s'] * 1e3:>8.0f} {r['grad_norm_rel_diff_vs_first']:>13.1e}"
@@ -513,6 +546,13 @@ def time_tp_steps(model, input_ids: torch.Tensor, repeats: int, barrier: Callabl
     }
 
 
+def tp_model(kit: str | Path) -> torch.nn.Module:
+    """The policy for the TP comparison, which runs whole unpacked rows: dense attention, no packing."""
+    model = load_policy(Path(kit))
+    model.set_attn_implementation(DENSE)
+    return model
+
+
 def tp_worker(kit: str, batch_file: str, out_file: str, repeats: str) -> None:
     """Under torchrun: shard the tiny model over all ranks, time TP steps per batch; rank 0 writes."""
     import torch.distributed as dist
@@ -523,7 +563,7 @@ def tp_worker(kit: str, batch_file: str, out_file: str, repeats: str) -> None:
     mesh = tensor_parallel_mesh(env)
     results, grads = {}, {}
     for shape, input_ids in torch.load(batch_file).items():
-        model = load_policy(Path(kit))
+        model = tp_model(kit)
         apply_tensor_parallel(model, mesh)
         results[shape] = time_tp_steps(model, input_ids, int(repeats), dist.barrier)
         grads[shape] = results[shape].pop("first_grads")
@@ -567,7 +607,7 @@ def bench_tp(
         tp1 = {}
         for threads in (default_threads, 1):
             torch.set_num_threads(threads)
-            model = load_policy(Path(kit))
+            model = tp_model(kit)
             tp1[threads] = time_tp_steps(model, input_ids, repeats, lambda: None)
         torch.set_num_threads(threads_before)
         same_update.append(
@@ -644,6 +684,7 @@ def print_same_update(checks: list[dict]) -> None:
 # (column heading, key) of each results table: every raw number the printout rounds.
 PACKING_COLUMNS = (
     ("variant", "variant"),
+    ("attention", "attention"),
     ("micro-batches × [rows, width]", "shape"),
     ("step s (median)", "step_s"),
     ("step times s", "step_times_s"),
@@ -652,6 +693,7 @@ PACKING_COLUMNS = (
     ("slots/s", "slots_per_s"),
     ("padding fraction", "padding_fraction"),
     ("attention pairs ÷ needed", "attention_pairs_vs_needed"),
+    ("largest mask bytes", "mask_bytes"),
     ("tokens/s ÷ padded", "tokens_per_s_vs_padded"),
     ("build s", "build_s"),
     ("warm-up loss", "warmup_loss"),

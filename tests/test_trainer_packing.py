@@ -1,6 +1,7 @@
 """Packed dynamic batches: first-fit bins, the packed row's layout, sample isolation inside a packed row
 on the tiny Qwen3, and the key invariant: packed micro-batches with gradient accumulation give the
-gradient of the whole batch at once."""
+gradient of the whole batch at once, for the varlen attention (no mask tensor) and the dense-mask
+implementations alike; the chunked output head gives the unchunked log-probs and gradients."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from devkit.modelkit.build import build_tiny_kit
+from trainer.attention import VARLEN, varlen_kwargs
 from trainer.data import Sample
 from trainer.packing import (
     first_fit_pack,
@@ -22,6 +24,7 @@ from trainer.packing import (
     pack_micro_batches,
     per_token_logprobs,
     sample_token_means,
+    token_logprobs,
 )
 
 # --- first fit ----------------------------------------------------------------------------------------
@@ -97,11 +100,23 @@ def test_pack_layout_restarts_positions_and_blocks_attention_across_samples() ->
     for s in batch.slices:
         n = s.stop - s.start
         expected[s, s] = torch.ones(n, n, dtype=torch.bool).tril()
-    assert batch.attention_mask.shape == (1, 1, 9, 9) and batch.attention_mask.dtype == torch.bool
-    assert torch.equal(batch.attention_mask[0, 0], expected)
+    dense = batch.dense_attention_mask()
+    assert dense.shape == (1, 1, 9, 9) and dense.dtype == torch.bool
+    assert torch.equal(dense[0, 0], expected)
     additive = batch.additive_mask(torch.float32)
-    assert torch.equal(additive == 0, batch.attention_mask)
+    assert torch.equal(additive == 0, dense)
     assert additive.min().item() == torch.finfo(torch.float32).min
+    # The varlen route's whole description of the layout: O(samples), no T x T tensor.
+    lengths = varlen_kwargs(batch.position_ids)
+    assert lengths["cu_seq_lens_q"].tolist() == [0, 4, 7, 9] and lengths["max_length_q"] == 4
+    assert not any(f.name == "attention_mask" for f in dataclasses.fields(batch))
+
+
+def test_varlen_kwargs_refuse_a_row_that_does_not_start_a_sample() -> None:
+    with pytest.raises(ValueError, match="start at 0"):
+        varlen_kwargs(torch.tensor([[3, 4, 0, 1]]))
+    with pytest.raises(ValueError, match=r"\[1, T\]"):
+        varlen_kwargs(torch.tensor([0, 1]))
 
 
 def test_pack_refuses_empty_and_misaligned_input() -> None:
@@ -164,20 +179,25 @@ def _logprobs_alone(model: torch.nn.Module, token_ids: list[int]) -> torch.Tenso
     return torch.cat([torch.zeros(1), logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)])
 
 
-@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn_implementation", [VARLEN, "eager", "sdpa"])
 def test_a_sample_packed_with_others_has_its_log_probs_computed_alone(
     kit_dir: Path, attn_implementation: str
 ) -> None:
     model = _load(kit_dir, attn_implementation)
+    plain = _load(kit_dir, "eager")  # the same weights, run the plain way
     samples = _random_samples(model, [11, 23, 6, 17], seed=1)
     batch = pack(samples, [1, 3, 0, 2])
     with torch.no_grad():
         packed = per_token_logprobs(model, batch)[0]
         for k, index in enumerate(batch.indices):
-            alone = _logprobs_alone(model, samples[index].token_ids)
+            alone = _logprobs_alone(plain, samples[index].token_ids)
             torch.testing.assert_close(packed[batch.slices[k]], alone, atol=1e-5, rtol=0)
-        # The check has teeth: with a plain causal mask (attention crossing samples) they differ.
-        leaky = dataclasses.replace(batch, attention_mask=torch.ones_like(batch.attention_mask).tril())
+        # The check has teeth: seen as one sample (attention crossing samples) they differ.
+        leaky = dataclasses.replace(
+            batch,
+            sample_index=torch.zeros_like(batch.sample_index),
+            position_ids=torch.arange(batch.num_tokens)[None],
+        )
         crossed = per_token_logprobs(model, leaky)[0]
     later = batch.slices[1]
     assert (crossed[later] - packed[later]).abs().max() > 1e-3
@@ -185,12 +205,15 @@ def test_a_sample_packed_with_others_has_its_log_probs_computed_alone(
 
 def test_per_token_logprobs_refuses_attention_that_ignores_a_4d_mask() -> None:
     fake = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
-    with pytest.raises(ValueError, match="eager or sdpa.*flash_attention_2"):
+    with pytest.raises(ValueError, match="bcstack_varlen, eager, sdpa.*flash_attention_2"):
         per_token_logprobs(fake, pack([[1, 2]], [0]))
 
 
-def test_packed_micro_batches_with_accumulation_give_the_full_batch_gradient(kit_dir: Path) -> None:
-    model = _load(kit_dir, "eager")
+@pytest.mark.parametrize("attn_implementation", [VARLEN, "eager"])
+def test_packed_micro_batches_with_accumulation_give_the_full_batch_gradient(
+    kit_dir: Path, attn_implementation: str
+) -> None:
+    model = _load(kit_dir, "eager")  # the reference: a padded batch with transformers' own masks
     samples = _random_samples(model, [19, 7, 31, 12, 25, 9, 16, 4], seed=2)
     n = len(samples)
 
@@ -214,6 +237,7 @@ def test_packed_micro_batches_with_accumulation_give_the_full_batch_gradient(kit
     # (b) Packed micro-batches under a small token budget; each micro-batch's loss is the sum of its
     # samples' token means over the step's sample count, so the accumulated grads sum to (a)'s.
     model.zero_grad()
+    model.set_attn_implementation(attn_implementation)
     batches = pack_micro_batches(samples, budget=40)
     assert len(batches) >= 3 and any(b.num_samples > 1 for b in batches)
     packed_loss = 0.0
@@ -229,3 +253,22 @@ def test_packed_micro_batches_with_accumulation_give_the_full_batch_gradient(kit
             p.grad, full_grads[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
         )
     assert any(g.abs().max() > 1e-3 for g in full_grads.values())  # a gradient worth comparing
+
+
+def test_chunked_output_head_gives_the_unchunked_log_probs_and_gradients(kit_dir: Path) -> None:
+    model = _load(kit_dir, VARLEN)
+    hidden = torch.randn(37, model.config.hidden_size, requires_grad=True)
+    targets = torch.randint(0, model.config.vocab_size, (37,))
+    grads = []
+    for chunk in (1000, 5):  # one chunk; eight chunks, each checkpointed
+        model.zero_grad()
+        hidden.grad = None
+        logprobs = token_logprobs(model.lm_head, hidden, targets, chunk_tokens=chunk)
+        (logprobs * torch.linspace(0.5, 1.5, 37)).sum().backward()
+        grads.append((logprobs.detach(), hidden.grad.clone(), model.lm_head.weight.grad.clone()))
+    for whole, chunked in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
+    reference = model.lm_head(hidden).float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(grads[0][0], reference.detach(), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        token_logprobs(model.lm_head, hidden, targets, chunk_tokens=0)

@@ -62,6 +62,7 @@ from core.budget import BudgetLimits
 from core.grading import RULE_VERSION, response_text, rule_answer, rule_contribution
 from core.records import EpisodeRecord, RecordError, WorkerRecord, load_lenient
 from trainer.advantages import EpisodeCredit, HierarchicalCredit, hierarchical_credit
+from trainer.attention import VARLEN
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.data import Sample, group_samples, load_samples, read_records
 from trainer.loss import grpo_loss
@@ -74,7 +75,9 @@ MAX_GRAD_NORM = 1.0  # Megatron's --clip-grad default; not in the seeds
 GROUPS_PER_STEP = 8  # seed 000: 8 prompts x 8 episodes per update
 # A micro-batch must hold the longest trajectory, and an episode's budget counts every token of it.
 MICRO_BATCH_TOKENS = BudgetLimits().max_tokens
-ATTENTION = "sdpa"  # applies packing's 4D mask (trainer.packing); so does "eager"
+# Causal attention inside each packed sample, no T x T mask (trainer.attention); "sdpa" and "eager"
+# also work, with packing's dense 4D mask (bench/trainer.py measures both).
+ATTENTION = VARLEN
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 SERVING_DIR = "serving"

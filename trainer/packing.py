@@ -18,16 +18,22 @@ never padded: a micro-batch is exactly its samples' tokens, and no padding appea
         loss = -sample_token_means(logp, batch).sum() / len(samples)  # per-sample token mean
         loss.backward()                                               # accumulates the full-batch grad
 
-Attention mask format. `PackedBatch.attention_mask` is a boolean [1, 1, T, T] tensor (True: the
-query token may attend to the key token). transformers 5 passes a 4D mask to the attention function
-as is (`masking_utils._preprocess_mask_arguments` returns early on `ndim == 4`), and what the
-function does with it differs: "sdpa" gives it to `scaled_dot_product_attention`, which accepts a
-boolean or an additive mask, but "eager" ADDS it to the attention scores, so a boolean mask there
-would add 0/1 and silently attend across samples. `per_token_logprobs` therefore always passes the
-additive float form (0 where allowed, the dtype's minimum elsewhere; `additive_mask`), which is right
-for both. Other implementations (flash_attention_2, flex_attention) do not take a dense 4D mask and
-are refused; at production lengths a varlen kernel driven by the restarting position ids is the
-memory-sane route (a dense T x T mask at T = 24K is 2.4 GB in float32).
+How the model sees a packed row (`forward_inputs`). The trainer loads its models with the
+`trainer.attention.VARLEN` attention: the row's sample boundaries (cumulative lengths, computed from
+the restarting position ids) go to an attention function that runs causal attention on each sample's
+slice, so no mask tensor exists and no query-key pair across samples is computed (memory for masks
+O(T), not O(T^2)). The "eager" and "sdpa" implementations still work, with the dense block-diagonal
+mask built on demand (`PackedBatch.dense_attention_mask`): transformers 5 passes a 4D mask to the
+attention function as is (`masking_utils._preprocess_mask_arguments` returns early on `ndim == 4`),
+"sdpa" gives it to `scaled_dot_product_attention`, but "eager" ADDS it to the scores, so a boolean
+mask there would add 0/1 and silently attend across samples; the additive float form (0 where
+allowed, the dtype's minimum elsewhere; `additive_mask`) is right for both. `bench/packing_attention.py`
+measures the two side by side. Other implementations (flash_attention_2, flex_attention) are refused.
+
+Log-probs of the response tokens (`per_token_logprobs`, `token_logprobs`) go through the output head
+`LOGPROB_CHUNK_TOKENS` positions at a time, each chunk under activation checkpointing, so a
+micro-batch never holds its [T, V] float32 logits: at T = 24,576 and Qwen3's V = 151,936 they would
+be 14.9 GB; a 1,024-token chunk is 0.62 GB, recomputed once in the backward pass.
 """
 
 from __future__ import annotations
@@ -37,12 +43,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from trainer.attention import VARLEN, varlen_kwargs
 
 if TYPE_CHECKING:
     from trainer.data import Sample
 
 # Attention implementations that apply a custom dense 4D mask (see the module docstring).
 MASKED_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+PACKED_ATTENTION_IMPLEMENTATIONS = (VARLEN, *MASKED_ATTENTION_IMPLEMENTATIONS)
+# Positions per pass through the output head (see the module docstring).
+LOGPROB_CHUNK_TOKENS = 1024
 
 
 def first_fit_pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -86,7 +98,6 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64, 0 at each sample's first token
-    attention_mask: torch.Tensor  # [1, 1, T, T] bool, True where query t may attend to key s
     loss_mask: torch.Tensor  # [1, T] float32, 1.0 on generated (trained) tokens
     rollout_logprobs: torch.Tensor  # [1, T] float32, aligned to input_ids, 0.0 where loss_mask is 0
     sample_index: torch.Tensor  # [1, T] int64, which entry of `indices` each token belongs to
@@ -101,11 +112,20 @@ class PackedBatch:
     def num_samples(self) -> int:
         return len(self.indices)
 
+    def dense_attention_mask(self) -> torch.Tensor:
+        """[1, 1, T, T] bool, True where query t may attend to key s: causal within its own sample.
+
+        Built on demand for the "eager"/"sdpa" route only (T^2 booleans); the varlen route never does.
+        """
+        owner = self.sample_index[0]
+        arange = torch.arange(owner.numel())
+        return ((owner[:, None] == owner[None, :]) & (arange[:, None] >= arange[None, :]))[None, None]
+
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The attention mask as added to attention scores: 0.0 where allowed, dtype's min elsewhere."""
         allowed = torch.zeros((), dtype=dtype)
         blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
-        return torch.where(self.attention_mask, allowed, blocked)
+        return torch.where(self.dense_attention_mask(), allowed, blocked)
 
 
 def _sequence_parts(item: Any) -> tuple[list[int], list[int], list[float]]:
@@ -147,17 +167,12 @@ def pack(samples_or_sequences: Sequence[Sample | Sequence[int]], indices: Sequen
         logprobs.extend(lps)
         positions.extend(range(len(ids)))
         owner.extend([k] * len(ids))
-    sample_index = torch.tensor(owner, dtype=torch.int64)
-    arange = torch.arange(len(token_ids))
-    same_sample = sample_index[:, None] == sample_index[None, :]
-    causal = arange[:, None] >= arange[None, :]
     return PackedBatch(
         input_ids=torch.tensor([token_ids], dtype=torch.int64),
         position_ids=torch.tensor([positions], dtype=torch.int64),
-        attention_mask=(same_sample & causal)[None, None],
         loss_mask=torch.tensor([loss_mask], dtype=torch.float32),
         rollout_logprobs=torch.tensor([logprobs], dtype=torch.float32),
-        sample_index=sample_index[None],
+        sample_index=torch.tensor([owner], dtype=torch.int64),
         indices=tuple(indices),
         slices=tuple(slices),
     )
@@ -171,33 +186,76 @@ def pack_micro_batches(
     return [pack(samples_or_sequences, b) for b in first_fit_pack(lengths, budget)]
 
 
-def per_token_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+def forward_inputs(model: torch.nn.Module, batch: PackedBatch) -> dict[str, Any]:
+    """The keyword arguments that run `model` on `batch` with attention inside each sample."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in PACKED_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"packed batches need one of the attention implementations "
+            f"{', '.join(PACKED_ATTENTION_IMPLEMENTATIONS)}; the model uses {implementation!r}"
+        )
+    device = next(model.parameters()).device
+    inputs: dict[str, Any] = {
+        "input_ids": batch.input_ids.to(device),
+        "position_ids": batch.position_ids.to(device),
+        "use_cache": False,
+    }
+    if implementation == VARLEN:
+        return {**inputs, "attention_mask": None, **varlen_kwargs(batch.position_ids)}
+    return {**inputs, "attention_mask": batch.additive_mask(model.dtype).to(device)}
+
+
+def hidden_states(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """The decoder's last hidden states for the packed row, [T, hidden] (no output head applied)."""
+    inputs = forward_inputs(model, batch)
+    return model.model(**inputs).last_hidden_state[0]
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """log softmax(head(hidden[i]))[targets[i]] for each row i, [N] float32, `chunk_tokens` rows at a time.
+
+    With gradients on, each chunk runs under activation checkpointing: its logits are freed after the
+    forward and recomputed in the backward, so at most one chunk's [chunk, V] logits exist at a time.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    parts = []
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens]
+        if grad:
+            parts.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(head, h, t))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def per_token_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
+) -> torch.Tensor:
     """log p(token t | the earlier tokens of its own sample), [1, T] float32, aligned like the samples.
 
     Position t holds the log-prob of `input_ids[t]`, as a trajectory's rollout log-probs do; a
     sample's first token has no context and gets 0.0 (it is a prompt token, loss mask 0). The model
-    is a transformers causal LM (Qwen3) using "eager" or "sdpa" attention; gradients flow when the
-    caller has them enabled.
+    is a transformers causal LM (Qwen3) with one of `PACKED_ATTENTION_IMPLEMENTATIONS`; gradients flow
+    when the caller has them enabled.
     """
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation not in MASKED_ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
-            f"packed batches need an attention implementation that applies a 4D mask "
-            f"({' or '.join(MASKED_ATTENTION_IMPLEMENTATIONS)}); the model uses {implementation!r}"
-        )
-    device = next(model.parameters()).device
-    output = model(
-        input_ids=batch.input_ids.to(device),
-        position_ids=batch.position_ids.to(device),
-        attention_mask=batch.additive_mask(model.dtype).to(device),
-        use_cache=False,
-    )
-    logits = output.logits[0, :-1].float()  # [T-1, V]: logits[t] predicts token t+1
-    targets = batch.input_ids[0, 1:].to(device)
-    next_logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    hidden = hidden_states(model, batch)
+    targets = batch.input_ids[0, 1:].to(hidden.device)
+    next_logprobs = token_logprobs(model.lm_head, hidden[:-1], targets, chunk_tokens)
     logprobs = torch.cat([next_logprobs.new_zeros(1), next_logprobs])
     # Across a boundary the "previous token" belongs to another sample: no prediction there.
-    starts = batch.position_ids[0].to(device) == 0
+    starts = batch.position_ids[0].to(hidden.device) == 0
     return torch.where(starts, torch.zeros_like(logprobs), logprobs)[None]
 
 

@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.packing import MASKED_ATTENTION_IMPLEMENTATIONS, PackedBatch, pack_micro_batches
+from trainer.packing import PackedBatch, hidden_states, pack_micro_batches, token_logprobs
 from trainer.sft_data import Mixture, SFTSample
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -112,23 +111,15 @@ def supervised_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[tor
     Token t is predicted from the hidden state at t-1 of its own sample; a sample's first token is a
     prompt token (mask 0), so no prediction crosses a sample boundary.
     """
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation not in MASKED_ATTENTION_IMPLEMENTATIONS:
-        raise SFTError(
-            f"packed batches need the {' or '.join(MASKED_ATTENTION_IMPLEMENTATIONS)} attention "
-            f"implementation; the model uses {implementation!r}"
-        )
-    device = next(model.parameters()).device
-    hidden = model.model(
-        input_ids=batch.input_ids.to(device),
-        position_ids=batch.position_ids.to(device),
-        attention_mask=batch.additive_mask(model.dtype).to(device),
-        use_cache=False,
-    ).last_hidden_state[0]
-    targets = batch.input_ids[0, 1:].to(device)
-    chosen = batch.loss_mask[0, 1:].to(device) > 0
-    logits = model.lm_head(hidden[:-1][chosen]).float()
-    return F.cross_entropy(logits, targets[chosen], reduction="sum"), int(chosen.sum())
+    try:
+        hidden = hidden_states(model, batch)
+    except ValueError as e:
+        raise SFTError(str(e)) from None
+    targets = batch.input_ids[0, 1:].to(hidden.device)
+    chosen = batch.loss_mask[0, 1:].to(hidden.device) > 0
+    # Cross-entropy is minus the chosen token's log-prob: the chunked head never holds [T, V] logits.
+    logprobs = token_logprobs(model.lm_head, hidden[:-1][chosen], targets[chosen])
+    return -logprobs.sum(), int(chosen.sum())
 
 
 def sft_step(
