@@ -22,11 +22,15 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
             trained from scratch (LR, batch), printed;
 5. eval     the untrained model and the SFT model on the 150 held-out test questions through the stack,
             under one worker budget sized from the expert's trajectories (`--budget-factor` x the longest);
-6. rl       `bcstack train rl` from the SFT model on train questions, the workers hot-reloaded after each
-            update, for the minutes left (`--rl-minutes`); then the RL model is evaluated the same way;
+            the SFT (and RL) model for `--eval-rounds` rounds per question, the untrained one for one;
+6. rl       `bcstack train rl` from the SFT model on the train questions of `--rl-tiers`, the workers
+            hot-reloaded after each update, for the minutes left (`--rl-minutes`); then the RL model is
+            evaluated the same way;
 7. report   one table in seed 001's shape with three rows (untrained, SFT, SFT + RL), Wilson intervals,
             the paired comparisons (SFT vs untrained, RL vs SFT: improved/regressed, Δ pp with Newcombe's
-            paired interval, exact McNemar p), a PNG and `.bcstack-speedrun/report.json`.
+            paired interval, exact McNemar p over (question, round) pairs, and with several rounds the
+            same comparison with questions as the units: Wilcoxon signed-rank, bootstrap interval), a
+            PNG and `.bcstack-speedrun/report.json`.
 
 The observation sizes (snippet words, hits shown, page words) are worker settings (`--worker-setting`
 of `bcstack up`), stated in the output; no code path is special to the speedrun.
@@ -47,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from bcstack.evaluation.cli import run_with_progress
-from bcstack.evaluation.loaders import load_questions
+from bcstack.evaluation.loaders import load_questions, tier_of
+from bcstack.evaluation.report import TIERS, question_level_line
 from bcstack.stack import StackError, down, read_state, up
 from trainer.data import longest_trajectory
 
@@ -156,7 +161,13 @@ def _evaluated(eval_dir: Path, questions: int) -> bool:
 
 
 def evaluate(
-    label: str, urls: dict[str, str], questions: list, out: Path, budget: dict[str, int], concurrency: int
+    label: str,
+    urls: dict[str, str],
+    questions: list,
+    out: Path,
+    budget: dict[str, int],
+    concurrency: int,
+    rounds: int = 1,
 ) -> None:
     run_with_progress(
         questions,
@@ -164,6 +175,7 @@ def evaluate(
         urls["coordinator"],
         urls["judge"],
         concurrency=concurrency,
+        rounds=rounds,
         overrides={"max_branches": 1},
         budget=budget,
         label=label,
@@ -199,6 +211,7 @@ def summarise(state: Path, stages: list[tuple[str, Path, str | None]], seconds: 
                     "delta_pp": p["delta_pp"],
                     "delta_ci_pp": list(p["delta_ci_pp"]),
                     "mcnemar_p": p["mcnemar_p"],
+                    "by_question": p["by_question"],
                 }
             )
     return out
@@ -223,6 +236,8 @@ def render_table(summary: dict) -> str:
             f"{p['delta_pp']:+.2f} pp (paired 95% interval {lo:+.2f} to {hi:+.2f}), "
             f"exact McNemar p = {p['mcnemar_p']:.3g}"
         )
+        if p.get("by_question"):
+            lines.append(f"  {question_level_line(p['by_question'])}")
     return "\n".join(lines)
 
 
@@ -303,13 +318,43 @@ def main(argv: list[str] | None = None) -> int:
         help="packed micro-batch (SFT and RL): a dense mask costs T^2, so about two samples")  # fmt: skip
     add("--budget-factor", type=float, default=1.25, help="tiny worker budget: x the longest expert run")
     add("--rl-minutes", type=float, default=8.0, help="wall minutes for RL updates")
-    add("--rl-lr", type=float, default=1e-4, help="RL LR (seed 000: 1e-6, for 4B; SFT here ends at 1e-4)")
+    add("--rl-lr", type=float, default=5e-5, help="RL LR (seed 000: 1e-6, for 4B; SFT here ends at 1e-4)")
     add("--rl-groups", type=int, default=8, help="question groups per RL update")
     add("--rl-group-size", type=int, default=8, help="episodes per group")
+    add(
+        "--rl-tiers",
+        default="easy",
+        help="tiers of the train questions RL asks, comma-separated (the SFT model answers no medium one)",
+    )
+    add(
+        "--rl-dynamic-sampling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="leave out groups whose rewards are all equal and sample more (train rl --dynamic-sampling)",
+    )
+    add(
+        "--rl-negative-advantage-scale",
+        type=float,
+        default=0.1,
+        help="negative advantages x this (train rl --negative-advantage-scale; 1: seed 000's GRPO; 0.1 kept "
+        "the tiny policy's entropy from rising)",
+    )
     add("--rl-max-policy-lag", type=int, default=0,
         help="0: synchronous (two cores run rollouts and updates in turn either way)")  # fmt: skip
     add("--concurrency", type=int, default=16, help="episodes in flight")
+    add(
+        "--eval-rounds",
+        type=int,
+        default=3,
+        help="rounds per held-out question for the SFT and RL models (the untrained one gets 1); with more "
+        "than 1 the report adds a question-level test",
+    )
     args = parser.parse_args(argv)
+    if args.eval_rounds < 1:
+        parser.error("--eval-rounds must be at least 1")
+    rl_tiers = {t.strip() for t in args.rl_tiers.split(",") if t.strip()}
+    if not rl_tiers or rl_tiers - set(TIERS):
+        parser.error(f"--rl-tiers takes a comma-separated subset of {', '.join(TIERS)}: {args.rl_tiers!r}")
     state: Path = args.state.resolve()
     if args.fresh:
         shutil.rmtree(state, ignore_errors=True)
@@ -401,14 +446,15 @@ def main(argv: list[str] | None = None) -> int:
             evaluate("untrained", _urls(info), test_questions, evals["untrained"], budget, args.concurrency)
         tl.stage("eval sft", f"the SFT model on {len(test_questions)} held-out questions")
         info = _stack(state / "stack", str(sft_model), world, kit, index, settings)
-        evaluate("sft", _urls(info), test_questions, evals["sft"], budget, args.concurrency)
+        evaluate("sft", _urls(info), test_questions, evals["sft"], budget, args.concurrency, args.eval_rounds)
 
-        # RL asks the train questions a tiny model can get right now and then: easy and medium (a group
-        # of hard questions it never answers has zero reward variance and no gradient).
+        # RL asks the train questions of --rl-tiers: by default easy and medium, the ones a tiny model
+        # can get right now and then (a group of questions it never answers has zero reward variance
+        # and no gradient).
         rl_questions = state / "rl-questions.jsonl"
         rows = [json.loads(line) for line in (world / "train.jsonl").read_text().splitlines() if line]
         rl_questions.write_text(
-            "".join(json.dumps(r) + "\n" for r in rows if not r["data_source"].endswith("hard"))
+            "".join(json.dumps(r) + "\n" for r in rows if tier_of(r["data_source"]) in rl_tiers)
         )
         tl.stage("rl", f"bcstack train rl from the SFT model for {args.rl_minutes:g} minutes")
         rl_out = state / "stack" / "train" / "rl"
@@ -428,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--updates", "1000", "--max-minutes", f"{minutes_left:.4g}",
                 "--groups", str(args.rl_groups), "--group-size", str(args.rl_group_size),
                 "--max-policy-lag", str(args.rl_max_policy_lag), "--lr", str(args.rl_lr),
+                *(["--dynamic-sampling"] if args.rl_dynamic_sampling else []),
+                "--negative-advantage-scale", str(args.rl_negative_advantage_scale),
                 "--micro-batch-tokens", str(max(micro_batch, budget["max_tokens"])),
                 "--worker-max-tokens", str(budget["max_tokens"]),
                 "--worker-max-turns", str(budget["max_turns"]), "--max-branches", "1",
@@ -444,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             "eval rl", f"the RL model (update {updates}, {rl_model.name}) on {len(test_questions)} questions"
         )
         info = _stack(state / "stack", str(rl_model), world, kit, index, settings)
-        evaluate("rl", _urls(info), test_questions, evals["rl"], budget, args.concurrency)
+        evaluate("rl", _urls(info), test_questions, evals["rl"], budget, args.concurrency, args.eval_rounds)
         down(state / "stack", say=lambda s: None)
 
         tl.stage("report", "tables, PNG, report.json")

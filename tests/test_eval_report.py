@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scipy.stats import binomtest, norm
+from scipy.stats import binomtest, norm, wilcoxon
 
 from bcstack.evaluation.report import (
     ReportError,
@@ -16,6 +16,7 @@ from bcstack.evaluation.report import (
     calibration_error,
     paired_comparison,
     paired_difference_interval,
+    question_level_comparison,
     render_markdown,
     report_figure,
     wilson_interval,
@@ -344,6 +345,30 @@ def test_paired_with_no_discordant_pairs_has_p_one_and_a_real_interval():
     assert paired["mcnemar_p"] == 1.0 and paired["delta_pp"] == 0.0
     lo, hi = paired["delta_ci_pp"]
     assert lo == pytest.approx(-hi) and hi > 0
+
+
+def test_several_rounds_are_also_compared_with_questions_as_the_units():
+    # 6 questions x 4 rounds. Question 0 goes 0/4 -> 4/4, questions 1-4 go 1/4 -> 2/4, question 5
+    # goes 3/4 -> 2/4: per-question mean differences +1, +.25 x 4, -.25.
+    base, this = {}, {}
+    for r in range(4):
+        base[("0", r)], this[("0", r)] = False, True
+        for q in "1234":
+            base[(q, r)], this[(q, r)] = r == 0, r <= 1
+        base[("5", r)], this[("5", r)] = r < 3, r < 2
+    q = paired_comparison(this, base)["by_question"]
+    d = [1.0, 0.25, 0.25, 0.25, 0.25, -0.25]
+    assert (q["questions"], q["rounds_per_question"], q["improved"], q["regressed"]) == (6, [4, 4], 5, 1)
+    assert q["delta_pp"] == pytest.approx(100 * sum(d) / 6)
+    assert q["wilcoxon_p"] == pytest.approx(wilcoxon(d).pvalue)
+    lo, hi = q["delta_ci_pp"]
+    assert lo < q["delta_pp"] < hi and lo >= -25 and hi <= 100
+    assert paired_comparison(this, base)["by_question"] == q  # seeded: the same report twice
+    # The question-level test is weaker than McNemar over the 24 pairs, as it should be.
+    assert q["wilcoxon_p"] > paired_comparison(this, base)["mcnemar_p"]
+    # One round per question: nothing to add to McNemar.
+    one = {k: v for k, v in this.items() if k[1] == 0}
+    assert question_level_comparison(one, {k: base[k] for k in one}) is None
 
 
 def test_keys_in_only_one_run_are_reported(tmp_path):

@@ -246,6 +246,17 @@ def test_a_time_limit_stops_after_the_update_in_progress_and_resume_continues(rl
     assert bad.returncode != 0 and "--max-minutes must be > 0" in bad.stdout + bad.stderr
     assert "Traceback" not in bad.stderr
 
+    # Dynamic sampling where no group can carry a signal (one episode per group): it gives up after
+    # 8 x --groups such groups with one error line, instead of sampling forever.
+    starved = train_rl(
+        rl_stack, "starved", "--updates", "1", "--max-policy-lag", "0", "--groups", "1", "--group-size", "1",
+        "--dynamic-sampling", "--negative-advantage-scale", "0.5",
+    )  # fmt: skip
+    assert starved.returncode != 0
+    said = starved.stdout + starved.stderr
+    assert "dynamic sampling left out 8 groups whose rewards were all equal" in said
+    assert "Traceback" not in starved.stderr
+
 
 def test_kill_9_at_any_phase_then_resume_applies_no_update_twice(rl_stack: dict) -> None:
     out = rl_stack["state"] / "train" / "crash"

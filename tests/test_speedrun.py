@@ -18,7 +18,8 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
         [sys.executable, "-m", "bcstack.speedrun", "--state", str(state), "--docs", "400",
          "--questions-per-tier", "1", "--train-easy", "12", "--train-medium", "0", "--train-hard", "0",
          "--hidden-size", "32", "--layers", "1", "--copy-steps", "4", "--sft-epochs", "1", "--sft-batch", "4",
-         "--rl-minutes", "0.01", "--rl-groups", "1", "--rl-group-size", "2", "--concurrency", "4"],
+         "--rl-minutes", "0.01", "--rl-groups", "1", "--rl-group-size", "2", "--concurrency", "4",
+         "--eval-rounds", "2", "--no-rl-dynamic-sampling"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -32,13 +33,19 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
 
     report = json.loads((state / "report.json").read_text())
     assert [s["name"] for s in report["stages"]] == ["Untrained tiny", "SFT", "SFT + RL"]
+    # --eval-rounds 2: the SFT and RL models answer each question twice, the untrained one once.
+    assert [s["total"] for s in report["stages"]] == [3, 6, 6]
     for stage in report["stages"]:
-        assert stage["total"] == 3 and set(stage["tiers"]) == {"easy", "medium", "hard"}
+        assert set(stage["tiers"]) == {"easy", "medium", "hard"}
         assert 0 <= stage["wilson_95"][0] <= stage["wilson_95"][1] <= 1
     assert [(p["this"], p["baseline"]) for p in report["paired"]] == [
         ("SFT", "Untrained tiny"),
         ("SFT + RL", "SFT"),
     ]
+    sft_vs_untrained, rl_vs_sft = report["paired"]
+    assert sft_vs_untrained["n"] == 3 and sft_vs_untrained["by_question"] is None  # round 0 in common
+    assert rl_vs_sft["n"] == 6 and rl_vs_sft["by_question"]["questions"] == 3
+    assert "By question (3 questions, 2–2 rounds each)" in out
     assert {"world", "collect", "copy", "sft", "eval untrained", "eval sft", "rl", "eval rl"} <= set(
         report["seconds"]
     )
@@ -51,6 +58,7 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     assert (state / "sft" / "serving" / "SHA256SUMS").is_file()
     sft = read_metrics(state / "sft")
     assert len(sft) == mixture["steps"] >= 2
-    # One RL update through the stack after SFT, the workers reloaded to it.
+    # One RL update through the stack after SFT, the workers reloaded to it (no dynamic sampling: a
+    # group of two episodes of this barely trained model may well have equal rewards).
     rl = read_metrics(state / "stack" / "train" / "rl")
     assert [m["update"] for m in rl] == [1] and rl[0]["weight_version"] == "rl-u1"

@@ -13,6 +13,7 @@ from trainer.advantages import (
     grpo_advantages,
     hierarchical_advantages,
     hierarchical_credit,
+    scale_negative_advantages,
 )
 
 EPS = 1e-6
@@ -192,3 +193,20 @@ def test_episode_without_workers_counts_in_the_baseline_only():
 def test_nan_contribution_is_an_error_not_a_missing_score():
     with pytest.raises(ValueError, match="None"):
         hierarchical_advantages([EpisodeCredit(1.0, [float("nan")]), EpisodeCredit(0.0, [0.5])])
+
+
+def test_scaling_negative_advantages_leaves_positive_and_zero_ones_and_the_weights():
+    episodes = [EpisodeCredit(1.0, [1.0]), EpisodeCredit(0.0, [0.0, None]), EpisodeCredit(1.0, [])]
+    credit = [c for ep in hierarchical_credit(episodes) for c in ep]
+    scaled = scale_negative_advantages(credit, 0.1)
+    assert len(scaled) == len(credit) == 3
+    for before, after in zip(credit, scaled, strict=True):
+        assert after.weight == before.weight
+        expected = before.advantage * 0.1 if before.advantage < 0 else before.advantage
+        assert after.advantage == pytest.approx(expected)
+    assert any(c.advantage < 0 for c in credit) and any(c.advantage > 0 for c in credit)
+    assert scale_negative_advantages(credit, 1.0) == credit  # 1: the recipe unchanged
+    assert all(c.advantage >= 0 for c in scale_negative_advantages(credit, 0.0))  # positives only
+    for bad in (-0.5, math.nan, math.inf):
+        with pytest.raises(ValueError, match="negative-advantage scale"):
+            scale_negative_advantages(credit, bad)

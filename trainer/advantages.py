@@ -44,13 +44,25 @@ so each episode counts once however many workers it launched: an episode with 4 
 otherwise repeat its A_episode four times and outweigh an episode with one worker fourfold. With
 one worker per episode every weight is 1 and L is the plain per-sample mean; with w_episode = 1,
 w_worker = 0 the advantages are exactly GRPO's.
+
+Negative-sample weight (``scale_negative_advantages``, off by default: scale 1 is the recipe above)::
+
+    advantage'[e, j] = λ · advantage[e, j]   where advantage[e, j] < 0,   unchanged elsewhere
+
+The policy gradient splits into a positive-sample part (raise the log-probs of samples better than
+their group) and a negative-sample part (lower those of worse ones); Zhu et al. 2025, "The
+Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", find that the positive part
+alone sharpens the policy (pass@1 up, entropy down) and the negative part alone keeps it broad.
+On a near-deterministic small policy the negative part dominates a step: its samples' tokens are the
+ones with probability mass left to remove, so the mass goes to tokens nobody sampled and the entropy
+rises (the speedrun's runs, issue #15's notes). λ < 1 weighs the two parts towards sharpening.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -125,6 +137,13 @@ def hierarchical_credit(
         ]
         for a_ep, a_ws, ws in zip(episode_adv, worker_adv, weights, strict=True)
     ]
+
+
+def scale_negative_advantages(credit: Sequence[HierarchicalCredit], scale: float) -> list[HierarchicalCredit]:
+    """Every negative advantage multiplied by ``scale`` (module docstring); weights unchanged."""
+    if not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"the negative-advantage scale must be a finite number >= 0, got {scale}")
+    return [replace(c, advantage=c.advantage * scale) if c.advantage < 0 else c for c in credit]
 
 
 def hierarchical_advantages(

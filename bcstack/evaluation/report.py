@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.stats import binomtest
+from scipy.stats import binomtest, bootstrap, wilcoxon
 
 # The runner names run files; ids with unsafe characters get a sanitised, hashed name.
 from bcstack.evaluation.runner import run_file_name
@@ -48,6 +48,11 @@ RUNS_DIR = "runs"
 REPORT_FILES = {"markdown": "report.md", "json": "report.json", "png": "report.png"}
 NOT_AVAILABLE = "—"
 PAIRED_INTERVAL_METHOD = "Newcombe hybrid score (1998, method 10)"
+QUESTION_TEST_METHOD = (
+    "Wilcoxon signed-rank over per-question mean differences; percentile bootstrap interval"
+)
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
 
 Key = tuple[str, int]  # (query_id, round)
 
@@ -147,7 +152,65 @@ def paired_comparison(
         "mcnemar_p": float(binomtest(min(b, c), b + c, 0.5).pvalue) if b + c else 1.0,
         "only_in_this": [list(k) for k in sorted(this.keys() - baseline.keys())],
         "only_in_baseline": [list(k) for k in sorted(baseline.keys() - this.keys())],
+        "by_question": question_level_comparison(this, baseline, confidence),
     }
+
+
+def question_level_comparison(
+    this: dict[Key, bool], baseline: dict[Key, bool], confidence: float = CONFIDENCE_LEVEL
+) -> dict[str, Any] | None:
+    """The paired comparison with questions as the units, when some question has several rounds.
+
+    McNemar's test treats every (question, round) pair as independent, but rounds of one question
+    share its difficulty, so with several rounds it overstates the evidence. Here each question q
+    contributes one number, d_q = (mean correct over its common rounds in this run) - (the same in
+    the baseline); the test is Wilcoxon's signed-rank test on the d_q (zeros dropped, two-sided;
+    scipy), and the interval is a percentile bootstrap of mean(d_q) over questions (seeded, so the
+    report is reproducible). None when every question has at most one common round (McNemar is
+    then exactly the question-level test).
+    """
+    rounds: dict[str, list[int]] = {}
+    for query_id, round_ in sorted(this.keys() & baseline.keys()):
+        rounds.setdefault(query_id, []).append(round_)
+    if not rounds or max(len(r) for r in rounds.values()) < 2:
+        return None
+    d = np.array(
+        [
+            np.mean([this[(q, r)] for r in rs]) - np.mean([baseline[(q, r)] for r in rs])
+            for q, rs in rounds.items()
+        ]
+    )
+    nonzero = d[d != 0]
+    p_value = float(wilcoxon(nonzero).pvalue) if nonzero.size else 1.0
+    if np.all(d == d[0]):
+        lo = hi = float(d[0])
+    else:
+        ci = bootstrap(
+            (d,), np.mean, confidence_level=confidence, n_resamples=BOOTSTRAP_RESAMPLES,
+            method="percentile", random_state=BOOTSTRAP_SEED,
+        ).confidence_interval  # fmt: skip
+        lo, hi = float(ci.low), float(ci.high)
+    return {
+        "questions": len(rounds),
+        "rounds_per_question": [min(len(r) for r in rounds.values()), max(len(r) for r in rounds.values())],
+        "improved": int((d > 0).sum()),
+        "regressed": int((d < 0).sum()),
+        "delta_pp": 100 * float(d.mean()),
+        "delta_ci_pp": (100 * lo, 100 * hi),
+        "wilcoxon_p": p_value,
+        "method": QUESTION_TEST_METHOD,
+    }
+
+
+def question_level_line(q: dict[str, Any]) -> str:
+    """One sentence for `question_level_comparison`'s result."""
+    lo, hi = q["delta_ci_pp"]
+    return (
+        f"By question ({q['questions']} questions, {q['rounds_per_question'][0]}–"
+        f"{q['rounds_per_question'][1]} rounds each): {q['improved']} improved, {q['regressed']} regressed "
+        f"on their mean over rounds, {q['delta_pp']:+.2f} pp (bootstrap 95% CI {lo:+.2f} to {hi:+.2f}), "
+        f"Wilcoxon signed-rank p = {_p_value(q['wilcoxon_p'])}."
+    )
 
 
 def calibration_error(
@@ -549,6 +612,8 @@ def render_markdown(report: Report, name: str = "this run", baseline_name: str =
                 f"Paired over {p['n']} (question, round) pairs: both correct {p['both_correct']}, "
                 f"both wrong {p['both_wrong']}."
             )
+            if p.get("by_question"):
+                lines.append(question_level_line(p["by_question"]))
         else:
             lines.append(f"Paired comparison: no (question, round) in common with {baseline_name}.")
         if p["only_in_this"]:

@@ -122,6 +122,13 @@ def rl(
         "--dynamic-sampling",
         help="DAPO-style: leave out groups whose rewards are all equal and sample more to fill the batch.",
     ),
+    negative_advantage_scale: float = typer.Option(
+        1.0,
+        "--negative-advantage-scale",
+        min=0.0,
+        help="Multiply negative advantages by this (1: seed 000's GRPO; < 1 sharpens a near-deterministic "
+        "policy instead of spreading it: trainer/advantages.py).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the question order."),
     worker_checkpoint_root: Path | None = typer.Option(
         None,
@@ -224,6 +231,7 @@ def rl(
         micro_batch_tokens=micro_batch_tokens,
         mixed_versions=mixed_versions,
         dynamic_sampling=dynamic_sampling,
+        negative_advantage_scale=negative_advantage_scale,
         seed=seed,
         worker_checkpoint_root=worker_checkpoint_root,
         worker_budget=budget,

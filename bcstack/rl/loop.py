@@ -50,6 +50,7 @@ from bcstack.rl.rollouts import GroupRollout, StackClient, weight_version
 from bcstack.rl.sampler import Group, GroupSampler
 from core.atomic import atomic_write_text
 from services.worker.rolling import rolling_reload
+from trainer.advantages import scale_negative_advantages
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.data import Sample, read_record
 from trainer.grpo import (
@@ -75,6 +76,10 @@ METRICS_FILE = "metrics.jsonl"
 UPDATES_FILE = "updates.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 EXPORTS_DIR = "exports"
+# Dynamic sampling gives up on an update after this many x --groups groups with equal rewards (verl's
+# DAPO recipe has the same guard, max_num_gen_batches): a question set the policy always or never
+# answers would otherwise sample forever.
+DYNAMIC_SAMPLING_MAX_FILTERED = 8
 
 
 class RLError(RuntimeError):
@@ -103,6 +108,9 @@ class RLConfig:
     micro_batch_tokens: int = MICRO_BATCH_TOKENS
     mixed_versions: str = "keep"
     dynamic_sampling: bool = False
+    # Negative advantages are multiplied by this (trainer.advantages.scale_negative_advantages);
+    # 1.0 is seed 000's recipe.
+    negative_advantage_scale: float = 1.0
     seed: int = 0
     # The run's OUT folder as the worker replicas see it (a shared volume mounted elsewhere in the
     # worker pods); None: the same path.
@@ -358,6 +366,14 @@ class RLRun:
             elif self.cfg.dynamic_sampling and rollout.zero_variance:
                 counts["filtered_zero_variance"] += 1
                 self.open_groups -= 1
+                filtered = counts["filtered_zero_variance"]
+                if filtered >= DYNAMIC_SAMPLING_MAX_FILTERED * self.cfg.groups:
+                    raise RLError(
+                        f"update {self.update + 1}: dynamic sampling left out {filtered} "
+                        f"groups whose rewards were all equal and found {len(batch)} of {self.cfg.groups} "
+                        "with a signal; the policy answers these questions always or never (choose other "
+                        "questions, a larger --group-size, or no --dynamic-sampling)"
+                    )
             else:
                 batch.append(rollout)
             self.changed.set()  # room for the producer
@@ -435,6 +451,8 @@ class RLRun:
                 f"{counts['failed_branches']} branches failed with no trajectory: see the episodes' records)"
             )
         credit = sample_credit(samples, episodes)
+        if self.cfg.negative_advantage_scale != 1.0:
+            credit = scale_negative_advantages(credit, self.cfg.negative_advantage_scale)
         _crash_point("update", self.update + 1)
         stats = grpo_step(
             self.policy,
