@@ -327,9 +327,11 @@ def test_endpoint_swap_under_load_moves_only_new_episodes(stack):
         assert by["a"] and by["b"] and len(by["a"]) + len(by["b"]) == 50
         assert all(rec["created_at"] <= swap["end"] for rec in by["a"])
         assert all(rec["created_at"] >= swap["start"] for rec in by["b"])
-        assert all(
-            rec["question_id"] in {f"swap-{i}" for i in range(25, 50)} or rec in by["a"] for rec in by["b"]
-        )
+        # Every episode that arrived after the swap runs on b. (A first-half request is sent before the
+        # swap but may reach the gateway after it on a loaded machine, and then rightly runs on b: the
+        # swap is decided by when an episode is created, asserted just above, not by its index.)
+        late = [rec for rec in records if int(rec["question_id"].removeprefix("swap-")) >= 25]
+        assert len(late) == 25 and all(rec["endpoint"] == "b" for rec in late)
         # every coordinator turn of an episode went to the endpoint its record names
         turns = {name: sum(len(rec["coordinator"]["turns"]) for rec in by[name]) for name in by}
         assert _llm_requests(stack["llm_a"]["port"]) - a0 == turns["a"]
