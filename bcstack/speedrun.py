@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--sft-batch", type=int, default=16, help="SFT rows per step (seed 001: 32)")
     add("--sft-epochs", type=float, default=2.75, help="passes over the constructed mixture")
     add("--sft-micro-batch-tokens", type=int, default=2048,
-        help="packed micro-batch (SFT and RL): a dense mask costs T^2, so about two samples")  # fmt: skip
+        help="packed micro-batch tokens (SFT and RL), at least the longest sample")  # fmt: skip
     add("--budget-factor", type=float, default=1.25, help="tiny worker budget: x the longest expert run")
     add("--rl-minutes", type=float, default=8.0, help="wall minutes for RL updates")
     add("--rl-lr", type=float, default=5e-5, help="RL LR (seed 000: 1e-6, for 4B; SFT here ends at 1e-4)")

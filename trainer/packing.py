@@ -5,8 +5,8 @@ padding, into micro-batches: each micro-batch is ONE row of concatenated samples
 stays under a token budget. Inside the row,
 
 - position ids restart at 0 for each sample, so RoPE sees each sample as if it ran alone;
-- the attention mask is block-diagonal causal: a token attends to earlier tokens of its own sample
-  only, never across a sample boundary.
+- attention is block-diagonal causal: a token attends to earlier tokens of its own sample only,
+  never across a sample boundary (how, without a T x T mask, is below).
 
 With both, a sample's log-probs in a packed row equal its log-probs computed alone (the tests pin
 this), so packing changes the cost of a step, not its result. Rows have different lengths and are

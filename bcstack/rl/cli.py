@@ -109,8 +109,8 @@ def rl(
         MAX_TOKENS,
         "--micro-batch-tokens",
         min=16,
-        help="Token budget of one packed micro-batch (a packed row's dense attention mask costs T^2: "
-        "small models train faster with a budget of about two trajectories).",
+        help="Token budget of one packed micro-batch (attention stays inside each sample with no T x T "
+        "mask, and the output head runs in chunks, so memory grows with T, not T^2).",
     ),
     mixed_versions: str = typer.Option(
         "keep",
