@@ -340,8 +340,11 @@ def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int, ma
     dense_ref = copy.deepcopy(ref)
     dense_ref.set_attn_implementation(DENSE)
     # Each variant: its step function, the micro-batch widths [(rows, width)] it will run, its
-    # attention implementation, and the attention pairs it computes.
-    variants: dict[str, tuple[Callable, list[tuple[int, int]], str, int]] = {}
+    # attention implementation, the attention pairs it computes, and the bytes per query-key pair of
+    # the largest mask it allocates: a packed row's dense bool + additive float32 T x T masks (5); a
+    # padded batch's boolean [B, 1, T, T] mask that transformers builds for sdpa (1); nothing for
+    # the varlen route (its cumulative lengths are O(samples)).
+    variants: dict[str, tuple[Callable, list[tuple[int, int]], str, int, int]] = {}
     build_s = {}
     for budget in budgets:
         started = time.perf_counter()
@@ -356,8 +359,8 @@ def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int, ma
             return grpo_step(policy, dense_ref, optimizer, samples, credit, micro_batch_tokens=budget)
 
         own_pairs = sum(n * n for n in lengths)
-        variants[f"packed {budget}"] = (step, shapes, policy.config._attn_implementation, own_pairs)
-        variants[f"packed {budget} dense"] = (dense_step, shapes, DENSE, sum(w * w for _, w in shapes))
+        variants[f"packed {budget}"] = (step, shapes, policy.config._attn_implementation, own_pairs, 0)
+        variants[f"packed {budget} dense"] = (dense_step, shapes, DENSE, sum(w * w for _, w in shapes), 5)
     # The padded baselines get as many micro-batches as packing under the first budget.
     size = max(1, round(len(samples) / len(variants[f"packed {budgets[0]}"][1])))
     # (A varlen model would drop a 2-D padding mask: transformers builds no mask for an attention
@@ -379,26 +382,18 @@ def bench_packing(kit: Path, budgets: Sequence[int], repeats: int, seed: int, ma
         def step(policy, optimizer, bins=bins, width=width):
             return padded_grpo_step(policy, dense_ref, optimizer, samples, credit, bins, width, pad_id)
 
-        variants[name] = (step, shapes, DENSE, sum(rows * width**2 for rows, width in shapes))
+        variants[name] = (step, shapes, DENSE, sum(rows * width**2 for rows, width in shapes), 1)
 
     # Attention scores the step computes (query x key pairs, causal or not) against the ones its
     # samples need (sum of length^2): a packed row's dense mask pays for every cross-sample pair.
     needed_pairs = sum(n * n for n in lengths)
     results = {}
-    for name, (_, shapes, implementation, pairs) in variants.items():
+    for name, (_, shapes, implementation, pairs, mask_bytes_per_pair) in variants.items():
         slots = sum(rows * width for rows, width in shapes)
         widths = [width for _, width in shapes]
         model = copy.deepcopy(policy)
         model.set_attn_implementation(implementation)
-        # The largest mask a micro-batch allocates: a packed row's dense bool + additive float32 T x T
-        # masks (5 bytes a pair); a padded batch's boolean [B, 1, T, T] mask that transformers builds for
-        # sdpa (1 byte); nothing for the varlen route (its cumulative lengths are O(samples)).
-        rows_w = max(shapes, key=lambda rw: rw[0] * rw[1] ** 2)
-        mask_bytes = (
-            0
-            if implementation != DENSE
-            else rows_w[0] * rows_w[1] ** 2 * (5 if name.startswith("packed") else 1)
-        )
+        mask_bytes = mask_bytes_per_pair * max(rows * width**2 for rows, width in shapes)
         results[name] = {
             "attention": implementation,
             "mask_bytes": mask_bytes,

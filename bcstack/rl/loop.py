@@ -450,9 +450,9 @@ class RLRun:
                 f"excluded, {counts['rejected_trajectories']} trajectories rejected, "
                 f"{counts['failed_branches']} branches failed with no trajectory: see the episodes' records)"
             )
-        credit = sample_credit(samples, episodes)
-        if self.cfg.negative_advantage_scale != 1.0:
-            credit = scale_negative_advantages(credit, self.cfg.negative_advantage_scale)
+        credit = scale_negative_advantages(
+            sample_credit(samples, episodes), self.cfg.negative_advantage_scale
+        )
         _crash_point("update", self.update + 1)
         stats = grpo_step(
             self.policy,
