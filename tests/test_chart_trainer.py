@@ -1,5 +1,6 @@
-"""charts/bcstack, trainer component: a Job under torchrun (TP size = processes in the pod, one GPU
-each with trainer.gpu, at most 1 until the step shards the model) on the workers' own checkpoint
+"""charts/bcstack, trainer component: a Job under torchrun (nodes x gpusPerNode processes, one GPU
+each with trainer.gpu, a [dp, tp] mesh with tp = tensorParallel; several nodes as an Indexed Job
+meeting at a c10d rendezvous through a headless Service) on the workers' own checkpoint
 claim, non-root on a read-only root. Mode rl runs `bcstack train rl` against the release's gateway,
 judge and worker pods (its own ServiceAccount allowed only to read pods, the admin token from its
 Secret, a PodMonitor on its metrics port); mode grpo runs `bcstack train grpo` over an existing
@@ -106,6 +107,15 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "worker": {"checkpoints": {"existingClaim": "trainer-out"}},
     },
+    # Two nodes of four GPUs, TP2 inside each: [dp 4, tp 2], NCCL settings of our own.
+    "multinode": grpo(
+        gpu=True,
+        nodes=2,
+        gpusPerNode=4,
+        tensorParallel=2,
+        rendezvousPort=29500,
+        ncclEnv={"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0"},
+    ),
     # The RL loop on the chart's defaults: this release's services, questions on the checkpoint
     # volume, scraped by Prometheus.
     "rl": {**rl(), "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
@@ -141,7 +151,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "adminToken": {"existingSecret": "ops-admin", "key": "token"},
     },
 }
-GRPO_SETS = ("defaults", "gpu", "alone-no-resume")
+GRPO_SETS = ("defaults", "gpu", "alone-no-resume", "multinode")
 RL_SETS = ("rl", "rl-external")
 
 
@@ -201,8 +211,10 @@ def _own(manifests: list[dict[str, Any]]) -> list[str]:
 
 
 def test_trainer_objects_per_mode(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    for name in GRPO_SETS:
+    for name in ("defaults", "gpu", "alone-no-resume"):
         assert _own(rendered[name]) == ["Job"], name  # grpo talks to nothing
+    # Several nodes: the headless Service pod 0's rendezvous is found by.
+    assert _own(rendered["multinode"]) == ["Job", "Service"]
     # rl: its own ServiceAccount with a Role on pods, and a PodMonitor where Prometheus scrapes.
     assert _own(rendered["rl"]) == ["Job", "PodMonitor", "Role", "RoleBinding", "ServiceAccount"]
     assert _own(rendered["rl-external"]) == ["Job"]  # an existing ServiceAccount, no scraping
@@ -219,27 +231,31 @@ def test_disabled_trainer_renders_nothing() -> None:
     assert not [m for m in render_chart({"trainer": {"enabled": False}}) if m["kind"] == "Job"]
 
 
-# --- the command: torchrun with the TP size, then `bcstack train <mode>` -----------------------
+# --- the command: torchrun with the layout, then `bcstack train <mode> --tp N` ------------------
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
-def test_container_runs_torchrun_with_the_tp_size(
+def test_container_runs_torchrun_with_the_layout(
     name: str, rendered: dict[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from torch.distributed.run import config_from_args, get_args_parser
 
-    tp = 1  # the only size the schema lets through until the step shards the model
-
+    trainer = VALUE_SETS[name]["trainer"]
+    nodes, per_node = trainer.get("nodes", 1), trainer.get("gpusPerNode", 1)
     container = container_of(rendered[name])
     assert container["command"] == ["torchrun"]
-    # torchrun's own parser, on exactly the rendered args: one node, tp processes, module mode.
+    # torchrun's own parser, on exactly the rendered args: the nodes, their processes, module mode.
     args = get_args_parser().parse_args(container["args"])
-    assert (args.nnodes, args.nproc_per_node, args.standalone) == ("1", str(tp), True)
+    assert (args.nnodes, args.nproc_per_node, args.standalone) == (str(nodes), str(per_node), nodes == 1)
     assert (args.module, args.no_python, args.training_script) == (True, False, "bcstack")
     assert args.training_script_args == script_args(rendered[name])
+    assert flag(script_args(rendered[name]), "--tp") == str(trainer.get("tensorParallel", 1))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args sets it when unset
     config, program, program_args = config_from_args(args)
-    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 1, tp)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (nodes, nodes, per_node)
+    if nodes > 1:  # a c10d rendezvous on pod 0, by the name the headless Service gives it
+        assert (config.rdzv_backend, config.run_id) == ("c10d", "$(BCSTACK_JOB_NAME)")
+        assert config.rdzv_endpoint == "$(BCSTACK_JOB_NAME)-0.bc-bcstack-trainer-rdzv:29500"
     # Each rank: `<torchrun's python> -u -m bcstack train grpo ...`.
     assert program == sys.executable
     assert program_args == ["-u", "-m", "bcstack", *args.training_script_args]
@@ -253,6 +269,7 @@ def test_grpo_reads_records_and_checkpoints_and_resumes(rendered: dict[str, list
         "--model", "/checkpoints/qwen3-4b-worker-sft",
         "--ref", "/checkpoints/qwen3-4b-worker-sft",
         "--out", "/checkpoints/qwen3-4b-worker-grpo",
+        "--tp", "1",
         "--resume",
     ]  # fmt: skip
     custom = script_args(rendered["gpu"])
@@ -282,24 +299,42 @@ def test_rendered_launcher_starts_bcstack_on_the_cpu(rendered: dict[str, list[di
     assert done.stdout.count("Usage:") == 1, done.stdout[-4000:]
 
 
-def test_the_trainer_refuses_several_ranks_the_schema_would_let_through(
-    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
-) -> None:
-    """Were tensorParallel 2 rendered, each rank of the grpo command stops before loading anything,
-    saying why, instead of training the whole model twice into one folder."""
-    args = container_of(rendered["alone-no-resume"])["args"]
+def test_rendered_two_process_launcher_joins_both_ranks_to_the_mesh(tmp_path: Path) -> None:
+    """A pod of two CPU processes at tensorParallel 2, its rendered torchrun flags run for real: both
+    ranks build the [dp 1, tp 2] mesh (gloo) and reach the command, which reports the missing records
+    once per rank (tests/test_trainer_distributed.py trains at every layout)."""
+    manifests = render_chart(grpo(gpusPerNode=2, tensorParallel=2))
+    args = container_of(manifests)["args"]
     launcher = args[: args.index("-m") + 2]
-    launcher[launcher.index("--nproc_per_node") + 1] = "2"
+    assert flag(launcher, "--nproc_per_node") == "2" and flag(script_args(manifests), "--tp") == "2"
     out = tmp_path / "run"
     command = ["train", "grpo", "--records", str(tmp_path / "r.jsonl"), "--model", str(tmp_path / "m")]
-    done = _torchrun(launcher, *command, "--ref", str(tmp_path / "m"), "--out", str(out))
+    done = _torchrun(launcher, *command, "--ref", str(tmp_path / "m"), "--out", str(out), "--tp", "2")
     assert done.returncode != 0
-    refusal = (
-        "error: bcstack train grpo does not shard the model yet: with 2 ranks each would train the whole "
-        "model and overwrite the same checkpoint folder; run it with one process (tensorParallel 1)"
-    )
-    assert done.stderr.count(refusal) == 2, done.stderr[-4000:]  # one line from each rank
+    assert done.stderr.count("r.jsonl") >= 2 and done.stderr.count("error: ") == 2, done.stderr[-4000:]
     assert not out.exists()
+
+
+def test_several_nodes_are_an_indexed_job_meeting_at_pod_0(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    manifests = rendered["multinode"]
+    spec = job(manifests)["spec"]
+    assert (spec["completions"], spec["parallelism"], spec["completionMode"]) == (2, 2, "Indexed")
+    assert spec["template"]["spec"]["subdomain"] == "bc-bcstack-trainer-rdzv"
+    service = find(manifests, "Service", "bc-bcstack-trainer-rdzv")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert selects(service["spec"]["selector"], job(manifests)["spec"]["template"]["metadata"]["labels"])
+    (port,) = service["spec"]["ports"]
+    container = container_of(manifests)
+    assert {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"} in container["ports"]
+    assert port["port"] == 29500 and port["targetPort"] == "rendezvous"
+    # The pod's job-name label, which the kubelet expands into the rendezvous flags.
+    (name_env,) = [e for e in container["env"] if e["name"] == "BCSTACK_JOB_NAME"]
+    assert name_env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
+    env = env_of(container)
+    assert (env["NCCL_DEBUG"], env["NCCL_SOCKET_IFNAME"]) == ("INFO", "eth0")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4  # gpusPerNode, per pod
+    assert "NCCL_DEBUG" not in env_of(container_of(rendered["defaults"]))  # NCCL settings with GPUs only
+    assert "completionMode" not in job(rendered["defaults"])["spec"]  # one pod: a plain Job
 
 
 def test_grpo_command_accepts_the_flags_the_chart_passes(
@@ -625,9 +660,12 @@ def test_job_name_changes_with_its_spec_only() -> None:
     [
         # Helm prints no schema description: this line is what a user sees for TP > 1 (values.yaml
         # and the schema's description say why).
-        (grpo(tensorParallel=2), "at '/trainer/tensorParallel': maximum: got 2, want 1"),
-        (rl(tensorParallel=8), "at '/trainer/tensorParallel': maximum: got 8, want 1"),
         (grpo(tensorParallel=3), "/trainer/tensorParallel"),
+        (grpo(nodes=0), "/trainer/nodes"),
+        (grpo(gpusPerNode=9), "/trainer/gpusPerNode"),
+        (grpo(modelShape={"attentionHeads": 0}), "/trainer/modelShape/attentionHeads"),
+        (grpo(ncclEnv={"OMP_NUM_THREADS": "4"}), "invalid propertyName 'OMP_NUM_THREADS'"),
+        (grpo(rendezvousPort=0), "/trainer/rendezvousPort"),
         (grpo(tensorParallel=0), "/trainer/tensorParallel"),
         (grpo(tensorParallel=16), "/trainer/tensorParallel"),
         (grpo(tensorParallel="2"), "/trainer/tensorParallel"),
@@ -722,6 +760,16 @@ def test_schema_rejects_bad_trainer_values(values: dict[str, Any], message: str)
         (rl(extraArgs=["--k8s-selector=app=x"]), "--k8s-selector is set by the chart"),
         (rl(extraArgs=["--workers", "http://w:8002"]), "--workers is set by the chart"),
         (rl(serviceAccount={"create": False}), "trainer.serviceAccount.name is required"),
+        (grpo(tensorParallel=2), r"trainer.tensorParallel \(2\) must divide trainer.gpusPerNode \(1\)"),
+        (
+            grpo(tensorParallel=8, gpusPerNode=8, modelShape={"attentionHeads": 32, "keyValueHeads": 4}),
+            r"trainer.tensorParallel \(8\) must divide trainer.modelShape.keyValueHeads \(4\)",
+        ),
+        (
+            grpo(nodes=2, worker={"checkpoints": {"accessModes": ["ReadWriteOnce"]}}),
+            "the checkpoint volume must be ReadWriteMany",
+        ),
+        (grpo(extraArgs=["--tp", "2"]), "--tp is set by the chart"),
     ],
 )
 def test_inconsistent_values_fail_the_render(values: dict[str, Any], message: str) -> None:
@@ -733,6 +781,7 @@ def test_inconsistent_values_fail_the_render(values: dict[str, Any], message: st
 # fsGroupChangePolicy", "the top-level image repository".
 NULLABLE_TRAINER_KEYS = {
     "image.repository",
+    "ncclEnv.NCCL_DEBUG",
     "podSecurityContext.fsGroupChangePolicy",
     "resources.requests.cpu",
     "resources.requests.memory",
@@ -744,14 +793,16 @@ def test_null_cannot_remove_a_required_trainer_default() -> None:
     paths = [path for path in default_paths(chart_defaults("trainer")) if path != "enabled"]
     accepted, rejected = null_default_outcomes(paths, lambda block: grpo(**block))
     assert set(accepted) == NULLABLE_TRAINER_KEYS
-    assert {"tensorParallel", "gpu", "model", "ref", "out", "resume", "records.file", "shm.sizeLimit"} <= set(
-        rejected
-    )
+    required = {"tensorParallel", "nodes", "gpusPerNode", "modelShape.attentionHeads", "rendezvousPort"}
+    required |= {"gpu", "model", "ref", "out", "resume", "records.file", "shm.sizeLimit"}
+    assert required <= set(rejected)
 
 
 def test_values_yaml_defaults_install_on_a_cpu_cluster() -> None:
     defaults = chart_defaults("trainer")
     assert defaults["enabled"] is False and defaults["gpu"] is False and defaults["tensorParallel"] == 1
+    assert (defaults["nodes"], defaults["gpusPerNode"]) == (1, 1)
+    assert defaults["modelShape"] == {"attentionHeads": 32, "keyValueHeads": 8}  # Qwen3-4B
     assert defaults["mode"] == "rl" and defaults["rl"]["questions"]["existingClaim"] == ""
     assert defaults["resume"] is True and defaults["records"]["existingClaim"] == ""
     assert defaults["learningRate"] is None and defaults["extraArgs"] == []
@@ -764,8 +815,11 @@ def test_values_yaml_defaults_install_on_a_cpu_cluster() -> None:
 def test_notes_describe_the_trainer(rendered: dict[str, list[dict[str, Any]]]) -> None:
     notes = render_notes(VALUE_SETS["gpu"])
     name = job(rendered["gpu"])["metadata"]["name"]
-    assert f"Trainer: Job {name}, GRPO under torchrun with tensor parallelism 1" in notes
-    assert "1 process(es) on 1 nvidia.com/gpu (NCCL)" in notes
+    assert (
+        f"Trainer: Job {name}, GRPO under torchrun: 1 pod(s) x 1 nvidia.com/gpu (NCCL), a [dp 1, tp 1]"
+        in notes
+    )
+    assert "2 pod(s) x 4 nvidia.com/gpu (NCCL), a [dp 4, tp 2] mesh" in render_notes(VALUE_SETS["multinode"])
     assert f"Records: /data/in/episodes.jsonl on PersistentVolumeClaim {RECORDS_CLAIM}" in notes
     assert "PersistentVolumeClaim shared-checkpoints at /ckpt, shared with the workers" in notes
     assert f"kubectl logs -n default -f job/{name}" in notes

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -60,31 +59,18 @@ def test_unknown_command_is_a_clear_error():
     assert result.returncode != 0 and "Traceback" not in result.stderr
 
 
-def test_grpo_under_torchrun_with_several_ranks_refuses_to_start(tmp_path: Path):
-    # Until the TP plan is wired into the step, N ranks would each train the whole model into one --out.
+def test_a_tp_size_the_job_cannot_hold_is_one_error_line(tmp_path: Path):
+    # One process cannot be two tensor-parallel ranks: refused before anything is loaded.
     out = tmp_path / "run"
     args = ["train", "grpo", "--records", str(tmp_path / "records.jsonl"), "--model", str(tmp_path / "m")]
-    args += ["--ref", str(tmp_path / "m"), "--out", str(out)]
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "bcstack", *args], capture_output=True, text=True, cwd=ROOT, env=env
-    )
+    args += ["--ref", str(tmp_path / "m"), "--out", str(out), "--tp", "2"]
+    command = [sys.executable, "-m", "bcstack", *args]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
-        "error: bcstack train grpo does not shard the model yet: with 2 ranks each would train the whole "
-        "model and overwrite the same checkpoint folder; run it with one process (tensorParallel 1)"
+        "error: --tp 2 does not divide the job's 1 processes (torchrun --nproc_per_node x --nnodes)"
     ]
     assert not out.exists()
-    # One rank is a plain run: it gets as far as the missing records.
-    single = subprocess.run(
-        [sys.executable, "-m", "bcstack", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "WORLD_SIZE": "1", "RANK": "0"},
-    )
-    assert single.returncode == 2 and "does not shard" not in single.stderr, single.stderr
-    assert "Traceback" not in single.stderr
 
 
 def test_demo_help_says_what_it_does():

@@ -29,6 +29,7 @@ from fake_openai import Reply, ScriptedLLM, completion, serving_uvicorn
 from stack_util import bcstack_process
 
 from bcstack.stack import down, up
+from trainer.checkpoint import load_model_state
 
 REQUIRED = (
     "update",
@@ -136,10 +137,18 @@ def rl_stack(tmp_path_factory):
         down(state, say=lambda _m: None)
 
 
-def train_rl(stack: dict, out: str, *args: str, env: dict[str, str] | None = None, timeout: float = 400):
+def train_rl(
+    stack: dict, out: str, *args: str, env: dict[str, str] | None = None, timeout: float = 400, ranks: int = 1
+):
+    """`bcstack train rl` on the stack; with `ranks` > 1 under `torchrun --nproc_per_node RANKS` (gloo)."""
     state = stack["state"]
+    launcher = [sys.executable, "-m", "bcstack"]
+    if ranks > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launcher += ["--nproc_per_node", str(ranks), "-m", "bcstack"]
+        env = {"OMP_NUM_THREADS": "1", **(env or {})}
     command = [
-        sys.executable, "-m", "bcstack", "train", "rl", "--state", str(state), "--judge", stack["judge"],
+        *launcher, "train", "rl", "--state", str(state), "--judge", stack["judge"],
         "--questions", str(state / "world" / "train.jsonl"), "--model", str(state / "tiny"),
         "--ref", str(state / "tiny"), "--out", str(state / "train" / out), *SMALL, *args,
     ]  # fmt: skip
@@ -162,15 +171,24 @@ def episode_records(stack: dict, ids: list[str]) -> list[dict[str, Any]]:
     return [httpx.get(f"{gateway}/v1/episodes/{i}", timeout=10).json() for i in ids]
 
 
-@pytest.mark.parametrize("lag", [0, 1])
-def test_three_updates_train_reload_and_respect_the_staleness_bound(rl_stack: dict, lag: int) -> None:
+# The asynchronous run is also the torchrun one: two ranks at tp=2, rank 0 running the loop (issue 16).
+@pytest.mark.parametrize(("lag", "ranks"), [(0, 1), (1, 2)])
+def test_three_updates_train_reload_and_respect_the_staleness_bound(
+    rl_stack: dict, lag: int, ranks: int
+) -> None:
     out = rl_stack["state"] / "train" / f"lag{lag}"
     extra = [] if lag == 0 else [
         "--eval-every", "3", "--eval-questions", str(rl_stack["state"] / "world" / "questions.jsonl"),
         "--report-to", "tensorboard",
     ]  # fmt: skip
-    done = train_rl(rl_stack, f"lag{lag}", "--updates", "3", "--max-policy-lag", str(lag), *extra)
+    if ranks > 1:
+        extra += ["--tp", str(ranks)]
+    done = train_rl(
+        rl_stack, f"lag{lag}", "--updates", "3", "--max-policy-lag", str(lag), *extra, ranks=ranks
+    )
     assert done.returncode == 0, done.stdout + done.stderr
+    state = json.loads((out / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
+    assert state["layout"] == {"dp": 1, "tp": ranks}
     metrics = lines(out / "metrics.jsonl")
     if lag:
         # A held-out round on the current weights after update 3, with its Wilson interval, and the
@@ -188,7 +206,7 @@ def test_three_updates_train_reload_and_respect_the_staleness_bound(rl_stack: di
         assert m["reward_mean"] == 0.5 and m["zero_variance_groups"] == 0
         assert m["grad_norm"] > 1e-4
     # The policy moved: the last checkpoint's weights differ from the tiny model it started from.
-    trained = torch.load(out / "checkpoints" / "step-00000003" / "model.pt")
+    trained = load_model_state(out / "checkpoints" / "step-00000003")
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(rl_stack["state"] / "tiny").state_dict()

@@ -20,6 +20,7 @@ from bcstack.cli import app
 from core.chat_template import render_chat
 from core.checkpoint import verify_checkpoint
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy
+from trainer.checkpoint import load_model_state
 from trainer.sft import SFTConfig, epoch_steps, lr_at, row_order, train_sft
 from trainer.sft_data import (
     SFTDataError,
@@ -230,8 +231,8 @@ def test_a_stopped_run_resumes_to_the_same_weights(toy_kit, tokenizer, conversat
     with pytest.raises(ValueError, match="another mixture"):
         train_sft(toy_kit["dir"] / "tiny", other, tmp_path / "stopped", config=config, resume=True, say=quiet)
     train_sft(toy_kit["dir"] / "tiny", mixture, tmp_path / "stopped", config=config, resume=True, say=quiet)
-    a = torch.load(tmp_path / "straight" / "checkpoints" / "step-00000004" / "model.pt", weights_only=True)
-    b = torch.load(tmp_path / "stopped" / "checkpoints" / "step-00000004" / "model.pt", weights_only=True)
+    a = load_model_state(tmp_path / "straight" / "checkpoints" / "step-00000004")
+    b = load_model_state(tmp_path / "stopped" / "checkpoints" / "step-00000004")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from trainer.checkpoint import (  # noqa: E402
     COMPLETE,
+    STATE_DIR,
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
@@ -108,12 +109,12 @@ def hang() -> None:
 
 
 def hang_inside_save(step: int) -> None:
-    """Make the save of `step` stop halfway: model.pt written, optimizer.pt a few bytes."""
+    """Make the save of `step` stop halfway: model and optimizer state written, rng.pt a few bytes."""
     real_save = torch.save
 
     def save(obj, f, *args, **kwargs):
         name = getattr(f, "name", str(f))
-        if f".tmp-step-{step}-" in name and name.endswith("optimizer.pt"):
+        if f".tmp-step-{step}-" in name and name.endswith("rng.pt"):
             f.write(b"PK\x03\x04 torn")
             f.flush()
             hang()
@@ -196,7 +197,8 @@ def test_sigkilled_run_resumes_to_identical_weights(
     if kill_at == "inside-step-3-save":
         assert leftovers == [f".tmp-step-3-{process.pid}", step_dir_name(1), step_dir_name(2)]
         torn = root / leftovers[0]
-        assert (torn / "model.pt").stat().st_size > 1000 and not (torn / COMPLETE).exists()
+        shards = [f for f in (torn / STATE_DIR).iterdir() if f.suffix == ".distcp"]
+        assert shards and shards[0].stat().st_size > 1000 and not (torn / COMPLETE).exists()
     else:
         assert leftovers == [step_dir_name(1), step_dir_name(2)]
 
@@ -251,7 +253,7 @@ def test_keeps_the_last_k_and_returns_cursor_and_extra(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 5, model=model, optimizer=optimizer, data_cursor={"shard": 50})  # replaced
     assert latest_checkpoint(tmp_path) == path
     state = load_checkpoint(path, model=model, optimizer=optimizer)
-    assert state == {"step": 5, "data_cursor": {"shard": 50}, "extra": {}}
+    assert state == {"step": 5, "layout": {"dp": 1, "tp": 1}, "data_cursor": {"shard": 50}, "extra": {}}
     with pytest.raises(CheckpointError):  # saved without a scheduler
         load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
     assert latest_checkpoint(tmp_path / "absent") is None

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from bcstack.stack import down, up
 from core.checkpoint import verify_checkpoint
 from core.records import EpisodeRecord
+from trainer.checkpoint import load_model_state
 from trainer.cli import app
 from trainer.data import Sample
 from trainer.grpo import (
@@ -95,7 +96,7 @@ def test_one_step_on_stack_records_then_resume(stack: dict[str, Path], tmp_path:
 
     # Weights moved (weight decay only here: the gradient is 0), and only slightly at LR 1e-6.
     before = load_file(stack["tiny"] / "model.safetensors")
-    after = torch.load(out / "checkpoints" / "step-00000001" / "model.pt", weights_only=True)
+    after = load_model_state(out / "checkpoints" / "step-00000001")
     diffs = [float((after[k] - v).abs().max()) for k, v in before.items()]
     assert max(diffs) > 0 and max(diffs) < 1e-5
     verify_checkpoint(out / "serving")

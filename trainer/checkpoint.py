@@ -1,23 +1,32 @@
-"""Crash-safe training checkpoints: a run killed at any instant resumes from its newest complete one.
+"""Crash-safe, sharded, reshardable training checkpoints: a run killed at any instant resumes from its
+newest complete one, at the layout it was saved at or any other.
 
 Layout under a checkpoint root:
 
-    root/step-00000002/   model.pt  optimizer.pt  [scheduler.pt]  rng.pt  trainer_state.json  COMPLETE
+    root/step-00000002/   state/ (.metadata, __0_0.distcp, ...)  [scheduler.pt]  rng.pt
+                          trainer_state.json  COMPLETE
     root/.tmp-step-3-4711/   a save in progress (or torn by a crash) by process 4711
 
-A save writes everything into `.tmp-step-N-<pid>`, fsyncs each file, writes `COMPLETE` (the file
-list with sizes) last, fsyncs the folder, then renames it to `step-NNNNNNNN` and fsyncs the root.
-A rename within one filesystem is atomic, so a `step-*` folder is either absent or whole; a crash
-leaves at most a `.tmp-*` folder, which `latest_checkpoint` ignores and removes once its process
-is gone. Old checkpoints are retired the same way (renamed to `.tmp-*`, then deleted), so a crash
-while deleting never leaves a half-deleted `step-*` folder behind.
+Model and optimizer state go through `torch.distributed.checkpoint` (DCP), as torchtitan's
+checkpointer does: `get_state_dict` gives each rank its shards keyed by parameter name (DTensors
+for a TP or FSDP model, plain tensors for one process), every rank writes its own `.distcp` file,
+and the metadata records each tensor's global shape and which slices each file holds. Loading
+reads whatever slices the *current* layout needs, so the layout may change between save and resume.
+One process needs no process group (DCP then runs single-rank). Every rank writes into the same
+folder: on a cluster the checkpoint root must be shared storage (the chart mounts one volume).
 
-RNG states (python `random`, numpy's global generator, torch CPU and every CUDA device) are
-saved and restored, so a resumed run draws the same data order and noise as an uninterrupted one.
-The data cursor and `extra` go to `trainer_state.json` and must be JSON-serialisable.
+A save writes everything into `.tmp-step-N-<pid>` (rank 0's pid), fsyncs each file (DCP's writer
+does for its own), writes `COMPLETE` (every file under the folder with its size) last, fsyncs the
+folder, then renames it to `step-NNNNNNNN` and fsyncs the root. A rename within one filesystem is
+atomic, so a `step-*` folder is either absent or whole; a crash leaves at most a `.tmp-*` folder,
+which `latest_checkpoint` ignores and removes once its process is gone. Old checkpoints are retired
+the same way (renamed to `.tmp-*`, then deleted), so a crash while deleting never leaves a
+half-deleted `step-*` folder behind.
 
-Simplified: one process writes plain (non-DTensor) state dicts; a tensor-parallel run would save
-per-rank shards with `torch.distributed.checkpoint` inside the same atomic-folder protocol.
+RNG states (python `random`, numpy's global generator, torch CPU and every CUDA device) of rank 0
+are saved and restored on every rank, so a resumed run draws the same data order and noise as an
+uninterrupted one. The data cursor, the saving layout and `extra` go to `trainer_state.json`
+(JSON-serialisable).
 """
 
 from __future__ import annotations
@@ -28,22 +37,31 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.distributed import Layout
 
 logger = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
-MODEL_FILE = "model.pt"
-OPTIMIZER_FILE = "optimizer.pt"
+STATE_DIR = "state"  # model and optimizer state, DCP (format 2)
+MODEL_FILE = "model.pt"  # format 1 only
+OPTIMIZER_FILE = "optimizer.pt"  # format 1 only
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
 STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_KEEP_LAST = 3
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -152,6 +170,14 @@ def _retire(path: Path) -> None:
     shutil.rmtree(doomed)
 
 
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save and load outside a process group that it assumes one process: it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable")
+        yield
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -162,42 +188,70 @@ def save_checkpoint(
     data_cursor: dict[str, Any],
     extra: dict[str, Any] | None = None,
     keep_last: int | None = DEFAULT_KEEP_LAST,
+    layout: Layout | None = None,
 ) -> Path:
     """Write the training state after `step` atomically to `root/step-NNNNNNNN`; returns that folder.
 
-    An existing checkpoint of the same step is replaced (only after the new one is whole). Then all
+    Every rank of `layout` calls it: each writes its own shards of the model and optimizer state
+    into the staging folder (DCP), rank 0 writes the rest and renames the folder into place. An
+    existing checkpoint of the same step is replaced (only after the new one is whole). Then all
     but the newest `keep_last` complete checkpoints are deleted (`None` keeps all).
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1 (or None to keep all), not {keep_last}")
+    layout = layout or Layout.single()
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    staging = root / f".tmp-step-{step}-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        _save_torch(staging / MODEL_FILE, model.state_dict())
-        _save_torch(staging / OPTIMIZER_FILE, optimizer.state_dict())
-        if scheduler is not None:
-            _save_torch(staging / SCHEDULER_FILE, scheduler.state_dict())
-        _save_torch(staging / RNG_FILE, _rng_state())
-        state = {"format": FORMAT_VERSION, "step": step, "data_cursor": data_cursor, "extra": extra or {}}
-        _save_json(staging / STATE_FILE, state)
-        files = {path.name: path.stat().st_size for path in sorted(staging.iterdir())}
-        _save_json(staging / COMPLETE, {"step": step, "files": files})
-        _fsync_dir(staging)
-        replaced = final.with_name(f".tmp-delete-{final.name}-{os.getpid()}")
-        if final.exists():
-            final.rename(replaced)
-        staging.rename(final)
-        _fsync_dir(root)
-        shutil.rmtree(replaced, ignore_errors=True)
-    finally:
+    # One staging folder for the whole job, named after rank 0's pid (a crashed save is recognised by it).
+    staging = root / layout.broadcast(f".tmp-step-{step}-{os.getpid()}")
+    if layout.is_main:
+        root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
-    if keep_last is not None:
+        staging.mkdir()
+    layout.barrier()
+    try:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        # FileSystemWriter fsyncs every file it writes (sync_files=True).
+        with _single_process_quiet():
+            dcp.save(
+                {"model": model_state, "optimizer": optimizer_state},
+                checkpoint_id=staging / STATE_DIR,
+                no_dist=not dist.is_initialized(),
+            )
+        layout.barrier()
+        if layout.is_main:
+            if scheduler is not None:
+                _save_torch(staging / SCHEDULER_FILE, scheduler.state_dict())
+            _save_torch(staging / RNG_FILE, _rng_state())
+            state = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "layout": {"dp": layout.dp, "tp": layout.tp},
+                "data_cursor": data_cursor,
+                "extra": extra or {},
+            }
+            _save_json(staging / STATE_FILE, state)
+            files = {
+                str(path.relative_to(staging)): path.stat().st_size
+                for path in sorted(staging.rglob("*"))
+                if path.is_file()
+            }
+            _save_json(staging / COMPLETE, {"step": step, "files": files})
+            _fsync_dir(staging / STATE_DIR)
+            _fsync_dir(staging)
+            replaced = final.with_name(f".tmp-delete-{final.name}-{os.getpid()}")
+            if final.exists():
+                final.rename(replaced)
+            staging.rename(final)
+            _fsync_dir(root)
+            shutil.rmtree(replaced, ignore_errors=True)
+    finally:
+        if layout.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+    if layout.is_main and keep_last is not None:
         for _, old in _complete_checkpoints(root)[:-keep_last]:
             _retire(old)
+    layout.barrier()
     return final
 
 
@@ -234,23 +288,61 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any | None = None,
+    layout: Layout | None = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG states from the checkpoint folder `path`.
 
-    Returns `{"step", "data_cursor", "extra"}`: the step the checkpoint was taken after (resume at
-    step + 1) and what `save_checkpoint` was given.
+    `model` and `optimizer` may be sharded for any layout, whatever layout saved the checkpoint:
+    DCP reads each rank's slices from the saved shards (`[dp=1, tp=2]` resumes at `[dp=2, tp=1]` or
+    in one process). Every rank calls it. Returns `{"step", "layout", "data_cursor", "extra"}`: the
+    step the checkpoint was taken after (resume at step + 1), the layout that saved it and what
+    `save_checkpoint` was given. Checkpoints of format 1 (one process, `model.pt`) still load.
     """
     path = Path(path)
     if not _is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint")
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    if state.get("format") != FORMAT_VERSION:
+    if state.get("format") == 1:
+        model.load_state_dict(torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True))
+        optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    elif state.get("format") == FORMAT_VERSION:
+        # The current layout's (sharded, empty-optimizer-initialised) state dicts, filled in place.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        saved = {"model": model_state, "optimizer": optimizer_state}
+        with _single_process_quiet():
+            dcp.load(saved, checkpoint_id=path / STATE_DIR, no_dist=not dist.is_initialized())
+        set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+    else:
         raise CheckpointError(f"{path}: unknown checkpoint format {state.get('format')!r}")
-    model.load_state_dict(torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True))
-    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
     if scheduler is not None:
         if not (path / SCHEDULER_FILE).exists():
             raise CheckpointError(f"{path} holds no scheduler state")
         scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    # Rank 0's RNG states on every rank: every rank draws the same data order, as one process does.
     _set_rng_state(torch.load(path / RNG_FILE, weights_only=True))
-    return {"step": state["step"], "data_cursor": state["data_cursor"], "extra": state["extra"]}
+    return {
+        "step": state["step"],
+        "layout": state.get("layout", {"dp": 1, "tp": 1}),
+        "data_cursor": state["data_cursor"],
+        "extra": state["extra"],
+    }
+
+
+def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) tensors saved in checkpoint `path`, read in this one process,
+    whatever layout saved them: for comparing runs and for tools, not for resuming."""
+    path = Path(path)
+    if not _is_complete(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint")
+    if json.loads((path / STATE_FILE).read_text(encoding="utf-8")).get("format") == 1:
+        return torch.load(path / MODEL_FILE, map_location="cpu", weights_only=True)
+    metadata = dcp.FileSystemReader(path / STATE_DIR).read_metadata().state_dict_metadata
+    prefix = "model."
+    tensors = {
+        key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    with _single_process_quiet():
+        dcp.load({"model": tensors}, checkpoint_id=path / STATE_DIR, no_dist=True)
+    return tensors

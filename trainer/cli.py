@@ -207,18 +207,29 @@ def grpo(
         "keep them, drop them, or stop with an error.",
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
+    tp: int = typer.Option(
+        1,
+        "--tp",
+        min=1,
+        help="Tensor-parallel size. Under torchrun the job's processes form a [dp, tp] mesh, "
+        "dp = world size / tp (FSDP2 on dp); one process takes --tp 1.",
+    ),
 ) -> None:
     """One GRPO update per rollout batch of episode records (hierarchical credit, TIS, k3 KL).
 
     Grades the records, computes balanced worker-judge credit per question group, updates the policy
     with AdamW, logs each step to stdout and OUT/metrics.jsonl, checkpoints to OUT/checkpoints and
     exports the final policy to OUT/serving. Bad input is one `error:` line (exit 2).
+
+    Several GPUs (or CPU processes, gloo): `torchrun --nproc_per_node N -m bcstack train grpo --tp T ...`
+    runs the same step on every rank, each dp rank on its share of the micro-batches; rank 0 alone
+    prints, writes metrics.jsonl and exports; checkpoints are sharded (DCP) and resume at any layout.
     """
-    from trainer.parallel import MultiRankError, refuse_multi_rank
+    from trainer.distributed import LayoutError, init_layout, silent
 
     try:
-        refuse_multi_rank("bcstack train grpo")  # before loading anything: torchrun may have started N
-    except MultiRankError as error:
+        layout = init_layout(tp)  # before loading anything: joins the torchrun job, if any
+    except LayoutError as error:
         fail(str(error))
     from core.checkpoint import VerifyError
     from trainer.checkpoint import CheckpointError
@@ -240,9 +251,11 @@ def grpo(
             resume=resume,
             groups_per_step=groups_per_step,
             mixed_versions=mixed_versions.value,
-            say=typer.echo,
+            layout=layout,
+            say=typer.echo if layout.is_main else silent,
         )
     except (GRPOError, SampleError, CheckpointError, ExportError, VerifyError, OSError) as error:
         fail(" ".join(str(error).split()))
     except ValueError as error:  # a record that is not JSON, a trajectory over the micro-batch budget
         fail(" ".join(str(error).split()))
+    layout.close()

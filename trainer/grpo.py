@@ -37,10 +37,9 @@ Simplified, and why:
 - One update per rollout batch, so logp_old equals logp at the moment of the update: the PPO
   ratio is 1 and the clip cannot bind (slime with one optimizer step per rollout is the same).
   logp_old is still computed and used, so several updates per batch need no new code.
-- One process, float32 on CPU or one device; tensor parallelism (`trainer.parallel`) and the
-  rollout loop that produces the records live elsewhere.
-- Packing builds a dense T x T attention mask per micro-batch (`trainer.packing`): fine for the
-  tiny model; at 24K tokens a varlen attention kernel is the memory-sane route.
+- float32 throughout. One step for every layout: under torchrun the same `grpo_step` runs on each
+  rank of a [dp, tp] mesh (`trainer.distributed`: TP by plan, FSDP2 on dp, each dp rank on its
+  share of the micro-batches); the rollout loop that produces the records lives in `bcstack.rl`.
 """
 
 from __future__ import annotations
@@ -65,6 +64,7 @@ from trainer.advantages import EpisodeCredit, HierarchicalCredit, hierarchical_c
 from trainer.attention import VARLEN
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.data import Sample, group_samples, load_samples, read_records
+from trainer.distributed import Layout, full_state_dict, grad_norm_clip, parallelize, silent
 from trainer.loss import grpo_loss
 from trainer.packing import PackedBatch, pack_micro_batches, per_token_logprobs
 
@@ -79,6 +79,8 @@ MICRO_BATCH_TOKENS = BudgetLimits().max_tokens
 # also work, with packing's dense 4D mask (bench/trainer.py measures both).
 ATTENTION = VARLEN
 METRICS_FILE = "metrics.jsonl"
+# Step statistics averaged over loss tokens (the others are weighted like the loss).
+TOKEN_MEANS = ("tis_clip_fraction", "ppo_clip_fraction", "ratio_mean")
 CHECKPOINTS_DIR = "checkpoints"
 SERVING_DIR = "serving"
 
@@ -227,23 +229,26 @@ def sample_credit(
 # --- 3-5. the update ---------------------------------------------------------------------------------
 
 
-def load_policy(model_dir: Path) -> torch.nn.Module:
+def load_policy(model_dir: Path, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The trainable policy: float32, training mode."""
-    return _load_model(model_dir, "--model").train()
+    return _load_model(model_dir, "--model", device).train()
 
 
-def load_reference(ref_dir: Path) -> torch.nn.Module:
+def load_reference(ref_dir: Path, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The frozen KL reference (the SFT model): float32, eval mode, no gradient."""
-    return _load_model(ref_dir, "--ref").eval().requires_grad_(False)
+    return _load_model(ref_dir, "--ref", device).eval().requires_grad_(False)
 
 
-def _load_model(model_dir: Path, what: str) -> torch.nn.Module:
+def _load_model(model_dir: Path, what: str, device: torch.device | str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise GRPOError(f"{what} {model_dir}: not a model folder (no config.json)")
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=ATTENTION)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=ATTENTION
+    )
+    return model.to(device)
 
 
 def make_optimizer(policy: torch.nn.Module, lr: float = LR) -> torch.optim.AdamW:
@@ -270,6 +275,7 @@ def grpo_step(
     *,
     micro_batch_tokens: int = MICRO_BATCH_TOKENS,
     max_grad_norm: float = MAX_GRAD_NORM,
+    layout: Layout | None = None,
 ) -> dict[str, float]:
     """One GRPO update of `policy` on `samples` (with `credit` aligned to them); returns its stats.
 
@@ -280,65 +286,74 @@ def grpo_step(
     seconds. A non-finite loss or gradient raises GRPOError before the optimizer steps.
     """
     started = time.perf_counter()
+    layout = layout or Layout.single()
     batches = pack_micro_batches(samples, micro_batch_tokens)
+    # This dp rank's micro-batches; every rank runs as many (padding slots train with scale 0).
+    plan = layout.schedule(batches, [b.num_tokens for b in batches])
     advantages = torch.tensor([c.advantage for c in credit], dtype=torch.float32)
     weights = torch.tensor([c.weight for c in credit], dtype=torch.float32)
 
-    # Targets, fixed before any weight moves: the policy's own log-probs (logp_old) and the reference's.
-    with torch.no_grad():
-        logp_old = [per_token_logprobs(policy, b) for b in batches]
-        logp_ref = [per_token_logprobs(ref, b) for b in batches]
-
     # The update's loss is Σ_i w_i·l_i / Σ_i w_i over ALL its samples (samples without loss tokens
     # do not count). Each micro-batch's grpo_loss is normalized by its own Σ w, so scaling it by
-    # (its Σ w) / (the update's Σ w) makes the summed losses and gradients the full batch's.
+    # (its Σ w) / (the update's Σ w) makes the summed losses and gradients the full batch's, summed
+    # over micro-batches and over dp ranks alike.
     total_weight = sum(c.weight for s, c in zip(samples, credit, strict=True) if any(s.loss_mask))
     if total_weight <= 0:
         raise GRPOError("no generated tokens to train on (every loss mask is 0)")
 
     optimizer.zero_grad(set_to_none=True)
-    totals = dict.fromkeys(("loss", "pg_loss", "kl"), 0.0)
-    token_shares = dict.fromkeys(("tis_clip_fraction", "ppo_clip_fraction", "ratio_mean"), 0.0)
-    mismatch = 0.0
-    loss_tokens = 0
-    for batch, old, reference in zip(batches, logp_old, logp_ref, strict=True):
-        logp = per_token_logprobs(policy, batch)
-        mask = _rows(batch.loss_mask, batch)
-        which = list(batch.indices)
-        loss, stats = grpo_loss(
-            _rows(logp, batch),
-            _rows(old, batch),
-            _rows(batch.rollout_logprobs, batch),
-            _rows(reference, batch),
-            advantages[which],
-            mask,
-            sample_weights=weights[which],
-        )
-        share = stats["sample_weight_sum"] / total_weight
-        (loss * share).backward()
-        for key in totals:
-            totals[key] += stats[key] * share
-        n = int(mask.sum())
-        for key in token_shares:
-            token_shares[key] += stats[key] * n
-        # How far the trainer's log-probs are from the engine's (train/inference mismatch).
-        mismatch += float(((old - batch.rollout_logprobs).abs() * batch.loss_mask).sum())
-        loss_tokens += n
+    sums = dict.fromkeys(("loss", "pg_loss", "kl", *TOKEN_MEANS, "mismatch", "loss_tokens", "tokens"), 0.0)
+    with layout.train_context():
+        # Targets, fixed before any weight moves: the policy's own log-probs (logp_old) and the reference's.
+        with torch.no_grad():
+            logp_old = [per_token_logprobs(policy, b) for b, _ in plan]
+            logp_ref = [per_token_logprobs(ref, b) for b, _ in plan]
+        for (batch, real), old, reference in zip(plan, logp_old, logp_ref, strict=True):
+            logp = per_token_logprobs(policy, batch)
+            device = logp.device  # the batch and the credit live on the CPU until here
+            mask = _rows(batch.loss_mask, batch).to(device)
+            which = list(batch.indices)
+            loss, stats = grpo_loss(
+                _rows(logp, batch),
+                _rows(old, batch),
+                _rows(batch.rollout_logprobs, batch).to(device),
+                _rows(reference, batch),
+                advantages[which].to(device),
+                mask,
+                sample_weights=weights[which].to(device),
+            )
+            share = stats["sample_weight_sum"] / total_weight if real else 0.0
+            (loss * share).backward()
+            if not real:
+                continue
+            n = int(mask.sum())
+            for key in ("loss", "pg_loss", "kl"):
+                sums[key] += stats[key] * share
+            for key in TOKEN_MEANS:
+                sums[key] += stats[key] * n
+            # How far the trainer's log-probs are from the engine's (train/inference mismatch).
+            mismatch = (old - batch.rollout_logprobs.to(device)).abs() * batch.loss_mask.to(device)
+            sums["mismatch"] += float(mismatch.sum())
+            sums["loss_tokens"] += n
+            sums["tokens"] += batch.num_tokens
+    sums = dict(zip(sums, layout.sum_over_dp(list(sums.values())), strict=True))
+    totals = {key: sums[key] for key in ("loss", "pg_loss", "kl")}
+    loss_tokens = int(sums["loss_tokens"])
 
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm))
+    grad_norm = grad_norm_clip(policy.parameters(), max_grad_norm)
     if not all(math.isfinite(v) for v in (*totals.values(), grad_norm)):
         optimizer.zero_grad(set_to_none=True)
         raise GRPOError(f"non-finite loss or gradient ({totals}, grad norm {grad_norm}); no update made")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-    seconds = time.perf_counter() - started
-    tokens = sum(b.num_tokens for b in batches)
+    seconds = layout.max_over_world(time.perf_counter() - started)
+    tokens = int(sums["tokens"])
     adv = [c.advantage for c in credit]
     return {
         **totals,
-        **{k: v / max(loss_tokens, 1) for k, v in token_shares.items()},
-        "logp_rollout_abs_diff": mismatch / max(loss_tokens, 1),
+        **{k: sums[k] / max(loss_tokens, 1) for k in TOKEN_MEANS},
+        "logp_rollout_abs_diff": sums["mismatch"] / max(loss_tokens, 1),
         "advantage_mean": statistics.fmean(adv),
         "advantage_std": statistics.pstdev(adv),
         "advantage_min": min(adv),
@@ -399,6 +414,7 @@ def train(
     resume: bool = False,
     groups_per_step: int = GROUPS_PER_STEP,
     mixed_versions: str = "keep",
+    layout: Layout | None = None,
     say: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """Train until the policy has taken `steps` updates; returns this run's metrics, one dict per step.
@@ -408,8 +424,12 @@ def train(
     there is none); without it, OUT must not hold checkpoints already. Each step's metrics
     (`grpo_step`'s stats plus step, reward_mean and episodes over the batch's groups, groups, lr,
     batch) go to `say` as one line and to OUT/metrics.jsonl; the final policy is exported to
-    OUT/serving.
+    OUT/serving. Under torchrun (`layout`: the [dp, tp] mesh) every rank trains its share and rank 0
+    alone prints, writes metrics and exports; checkpoints are sharded (`trainer.checkpoint`).
     """
+    layout = layout or Layout.single()
+    if not layout.is_main:
+        say = silent
     records, model_dir, ref_dir, out_dir = Path(records), Path(model_dir), Path(ref_dir), Path(out_dir)
     if steps < 1:
         raise GRPOError(f"--steps must be at least 1, got {steps}")
@@ -435,24 +455,28 @@ def train(
         raise GRPOError(
             f"{out_dir} already holds checkpoints (latest {latest.name}); pass --resume or a new --out"
         )
-    policy = load_policy(model_dir)
-    ref = load_reference(ref_dir)
+    policy = parallelize(load_policy(model_dir, layout.device), layout)
+    ref = parallelize(load_reference(ref_dir, layout.device), layout)
+    say(f"layout: {layout.describe()}")
     optimizer = make_optimizer(policy, lr)
     step, next_batch = 0, 0
     if latest is not None:
-        state = load_checkpoint(latest, model=policy, optimizer=optimizer)
+        state = load_checkpoint(latest, model=policy, optimizer=optimizer, layout=layout)
         step = state["step"]
         if state["data_cursor"].get("records") == str(records.resolve()):
             next_batch = state["data_cursor"].get("next_batch", 0)
         for group in optimizer.param_groups:  # the command line's LR wins over the checkpoint's
             group["lr"] = lr
-        _keep_metrics_until(metrics_path, step)
+        if layout.is_main:
+            _keep_metrics_until(metrics_path, step)
         say(f"resumed from {latest} (step {step})")
     else:
         if resume:
             say(f"no checkpoint under {checkpoints}; starting at step 1")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path.write_text("")
+        if layout.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            metrics_path.write_text("")
+        layout.barrier()
     if step >= steps:
         say(f"already at step {step}, nothing to do for --steps {steps}")
         return []
@@ -469,6 +493,7 @@ def train(
             batch,
             sample_credit(batch, episodes),
             micro_batch_tokens=micro_batch_tokens,
+            layout=layout,
         )
         batch_groups = {s.group_id for s in batch}
         batch_rewards = [e.reward for e in episodes if e.group_id in batch_groups]
@@ -482,8 +507,9 @@ def train(
             "batch": batch_index,
         }
         say(_describe(step, steps, metrics))
-        with metrics_path.open("a") as handle:
-            handle.write(json.dumps(metrics) + "\n")
+        if layout.is_main:
+            with metrics_path.open("a") as handle:
+                handle.write(json.dumps(metrics) + "\n")
         next_batch = batch_index + 1
         save_checkpoint(
             checkpoints,
@@ -492,20 +518,33 @@ def train(
             optimizer=optimizer,
             data_cursor={"records": str(records.resolve()), "next_batch": next_batch},
             extra={"model": str(model_dir), "ref": str(ref_dir), "lr": lr},
+            layout=layout,
         )
         run_metrics.append(metrics)
 
-    export_serving(policy, model_dir, out_dir / SERVING_DIR)
+    export_serving(policy, model_dir, out_dir / SERVING_DIR, layout=layout)
     say(f"step {step} checkpoint in {checkpoints}, serving export in {out_dir / SERVING_DIR}")
     return run_metrics
 
 
-def export_serving(policy: torch.nn.Module, tokenizer_dir: Path, serving_dir: Path) -> dict[str, Any]:
+def export_serving(
+    policy: torch.nn.Module, tokenizer_dir: Path, serving_dir: Path, *, layout: Layout | None = None
+) -> dict[str, Any]:
     """Export `policy` to the serving format (BF16, trimmed vocabulary, SHA256SUMS), verified,
-    with the tokenizer files of `tokenizer_dir`; replaces an earlier export atomically."""
+    with the tokenizer files of `tokenizer_dir`; replaces an earlier export atomically.
+
+    A sharded policy is gathered to full tensors first (every rank takes part); rank 0 writes and
+    returns the summary, the other ranks return {} once it is in place.
+    """
     from trainer.export import export_checkpoint
 
-    serving_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".hf-", dir=serving_dir.parent) as hf:
-        policy.save_pretrained(hf)
-        return export_checkpoint(Path(hf), serving_dir, tokenizer_dir=tokenizer_dir, force=True)
+    layout = layout or Layout.single()
+    state = full_state_dict(policy)
+    summary: dict[str, Any] = {}
+    if layout.is_main:
+        serving_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".hf-", dir=serving_dir.parent) as hf:
+            policy.save_pretrained(hf, state_dict=state)
+            summary = export_checkpoint(Path(hf), serving_dir, tokenizer_dir=tokenizer_dir, force=True)
+    layout.barrier()
+    return summary

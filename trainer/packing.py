@@ -43,9 +43,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from trainer.attention import VARLEN, varlen_kwargs
+
+# The name under which `trainer.distributed` registers `packed_logprobs` as an FSDP forward method.
+PACKED_FORWARD = "bcstack_packed_logprobs"
 
 if TYPE_CHECKING:
     from trainer.data import Sample
@@ -212,7 +217,12 @@ def hidden_states(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).float()
+    logits = head(hidden)
+    if isinstance(logits, DTensor):
+        # Vocab-sharded logits (tensor parallel): under loss_parallel() cross-entropy reduces across
+        # the shards, and the [chunk, V] logits never exist whole on one rank.
+        return -F.cross_entropy(logits.float(), targets, reduction="none").full_tensor()
+    logits = logits.float()
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -226,6 +236,8 @@ def token_logprobs(
 
     With gradients on, each chunk runs under activation checkpointing: its logits are freed after the
     forward and recomputed in the backward, so at most one chunk's [chunk, V] logits exist at a time.
+    A tensor-parallel head (vocab-sharded DTensor logits) goes through vocab-parallel cross-entropy;
+    the caller runs forward and backward under `loss_parallel()` (`trainer.distributed.Layout.train_context`).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -240,6 +252,40 @@ def token_logprobs(
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
+def packed_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    select: torch.Tensor | None = None,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """log p(input_ids[t + 1] | its sample's tokens up to t) for the T - 1 next-token predictions of
+    the row, or only those where the bool mask `select` ([T - 1]) is True: [N] float32.
+
+    Predictions across a sample boundary are computed too (the caller masks them; see
+    `per_token_logprobs`). The decoder and the output head run in this one call, which an FSDP-sharded
+    model registers as a forward method (`trainer.distributed.PACKED_FORWARD`).
+    """
+    hidden = hidden_states(model, batch)[:-1]
+    targets = batch.input_ids[0, 1:].to(hidden.device)
+    if select is not None:
+        select = select.to(hidden.device)
+        hidden, targets = hidden[select], targets[select]
+    return token_logprobs(model.lm_head, hidden, targets, chunk_tokens)
+
+
+def next_token_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    select: torch.Tensor | None = None,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """`packed_logprobs`, through the model's FSDP-hooked forward method when it has one."""
+    forward = getattr(model, PACKED_FORWARD, None)
+    if forward is None:
+        return packed_logprobs(model, batch, select, chunk_tokens)
+    return forward(batch, select, chunk_tokens)
+
+
 def per_token_logprobs(
     model: torch.nn.Module, batch: PackedBatch, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
 ) -> torch.Tensor:
@@ -250,12 +296,10 @@ def per_token_logprobs(
     is a transformers causal LM (Qwen3) with one of `PACKED_ATTENTION_IMPLEMENTATIONS`; gradients flow
     when the caller has them enabled.
     """
-    hidden = hidden_states(model, batch)
-    targets = batch.input_ids[0, 1:].to(hidden.device)
-    next_logprobs = token_logprobs(model.lm_head, hidden[:-1], targets, chunk_tokens)
+    next_logprobs = next_token_logprobs(model, batch, None, chunk_tokens)
     logprobs = torch.cat([next_logprobs.new_zeros(1), next_logprobs])
     # Across a boundary the "previous token" belongs to another sample: no prediction there.
-    starts = batch.position_ids[0].to(hidden.device) == 0
+    starts = batch.position_ids[0].to(logprobs.device) == 0
     return torch.where(starts, torch.zeros_like(logprobs), logprobs)[None]
 
 

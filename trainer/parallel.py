@@ -85,27 +85,6 @@ class DistributedEnv:
         return self.rank == 0
 
 
-class MultiRankError(RuntimeError):
-    """A training command was started with more ranks than it can use."""
-
-
-def refuse_multi_rank(command: str) -> None:
-    """Raise MultiRankError, a one-line reason for `command` (e.g. "bcstack train grpo") to print,
-    when torchrun started it with more than one rank (WORLD_SIZE > 1). The plan above is not wired
-    into the training step yet, so every rank would train the whole model and write the same
-    checkpoint folder: N times the GPUs for one run's work, the ranks overwriting each other's files.
-    Call it before loading anything."""
-    try:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        world_size = 1  # not torchrun's: nothing to refuse
-    if world_size > 1:
-        raise MultiRankError(
-            f"{command} does not shard the model yet: with {world_size} ranks each would train the whole "
-            "model and overwrite the same checkpoint folder; run it with one process (tensorParallel 1)"
-        )
-
-
 def init_distributed() -> DistributedEnv:
     """Join the torchrun job from its env (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
 

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.packing import PackedBatch, hidden_states, pack_micro_batches, token_logprobs
+from trainer.distributed import Layout, grad_norm_clip, parallelize, silent
+from trainer.packing import PackedBatch, next_token_logprobs, pack_micro_batches
 from trainer.sft_data import Mixture, SFTSample
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -111,14 +112,12 @@ def supervised_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> tuple[tor
     Token t is predicted from the hidden state at t-1 of its own sample; a sample's first token is a
     prompt token (mask 0), so no prediction crosses a sample boundary.
     """
+    chosen = batch.loss_mask[0, 1:] > 0
     try:
-        hidden = hidden_states(model, batch)
+        # Cross-entropy is minus the chosen token's log-prob: the chunked head never holds [T, V] logits.
+        logprobs = next_token_logprobs(model, batch, chosen)
     except ValueError as e:
         raise SFTError(str(e)) from None
-    targets = batch.input_ids[0, 1:].to(hidden.device)
-    chosen = batch.loss_mask[0, 1:].to(hidden.device) > 0
-    # Cross-entropy is minus the chosen token's log-prob: the chunked head never holds [T, V] logits.
-    logprobs = token_logprobs(model.lm_head, hidden[:-1][chosen], targets[chosen])
     return -logprobs.sum(), int(chosen.sum())
 
 
@@ -130,9 +129,15 @@ def sft_step(
     lr: float,
     micro_batch_tokens: int,
     grad_clip: float,
+    layout: Layout | None = None,
 ) -> dict[str, Any]:
-    """One optimizer step on `rows`: token-mean cross-entropy over all their supervised tokens."""
+    """One optimizer step on `rows`: token-mean cross-entropy over all their supervised tokens.
+
+    Under a [dp, tp] `layout` every dp rank trains its share of the micro-batches (the same number
+    on each), scaled by the step's global supervised-token count; FSDP sums the gradients.
+    """
     started = time.perf_counter()
+    layout = layout or Layout.single()
     model.train()
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -148,13 +153,16 @@ def sft_step(
         )
     total = 0.0
     batches = pack_micro_batches(list(rows), micro_batch_tokens)
-    for batch in batches:
-        loss_sum, _ = supervised_loss_sum(model, batch)
-        (loss_sum / supervised).backward()
-        total += float(loss_sum.detach())
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    with layout.train_context():
+        for batch, real in layout.schedule(batches, [b.num_tokens for b in batches]):
+            loss_sum, _ = supervised_loss_sum(model, batch)
+            (loss_sum * ((1.0 / supervised) if real else 0.0)).backward()  # padding slots: scale 0
+            if real:
+                total += float(loss_sum.detach())
+    (total,) = layout.sum_over_dp([total])
+    grad_norm = grad_norm_clip(model.parameters(), grad_clip)
     optimizer.step()
-    seconds = time.perf_counter() - started
+    seconds = layout.max_over_world(time.perf_counter() - started)
     tokens = sum(len(r) for r in rows)
     return {
         "loss": total / supervised,
@@ -170,14 +178,24 @@ def sft_step(
 
 
 @torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, rows: Sequence[SFTSample], micro_batch_tokens: int) -> float:
+def evaluate_loss(
+    model: torch.nn.Module,
+    rows: Sequence[SFTSample],
+    micro_batch_tokens: int,
+    layout: Layout | None = None,
+) -> float:
     """Token-mean cross-entropy of the supervised tokens of `rows` (held-out rows: the overfitting check)."""
+    layout = layout or Layout.single()
     model.eval()
     total, count = 0.0, 0
-    for batch in pack_micro_batches(list(rows), micro_batch_tokens):
-        loss_sum, n = supervised_loss_sum(model, batch)
-        total += float(loss_sum)
-        count += n
+    batches = pack_micro_batches(list(rows), micro_batch_tokens)
+    with layout.train_context():
+        for batch, real in layout.schedule(batches, [b.num_tokens for b in batches]):
+            loss_sum, n = supervised_loss_sum(model, batch)
+            if real:
+                total += float(loss_sum)
+                count += n
+    total, count = layout.sum_over_dp([total, count])
     model.train()
     return total / max(1, count)
 
@@ -194,14 +212,20 @@ def train_sft(
     eval_every: int = 0,
     on_metrics: Callable[[int, dict[str, Any]], None] | None = None,
     on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
+    layout: Layout | None = None,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Train one epoch of `mixture` from `model_dir`; returns a summary (steps, last metrics, export).
 
     `max_steps` stops this process after that many steps in all (a later `resume` continues). With
     `resume` the newest checkpoint under OUT/checkpoints is restored (model, optimizer, RNG, step) and
-    the mixture must be the one it was trained on (same digest).
+    the mixture must be the one it was trained on (same digest). Under torchrun (`layout`) every
+    rank trains its share; `on_metrics`, `on_step` and `say` run on rank 0 only, which alone exports.
     """
+    layout = layout or Layout.single()
+    if not layout.is_main:
+        on_metrics = on_step = None
+        say = silent
     from trainer.grpo import export_serving, load_policy
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -218,11 +242,11 @@ def train_sft(
             f"{out_dir} already holds checkpoints (latest {latest.name}); pass --resume or a new --out"
         )
     torch.manual_seed(config.seed)
-    model = load_policy(model_dir)
+    model = parallelize(load_policy(model_dir, layout.device), layout)
     optimizer = make_optimizer(model, config)
     step = 0
     if latest is not None:
-        state = load_checkpoint(latest, model=model, optimizer=optimizer)
+        state = load_checkpoint(latest, model=model, optimizer=optimizer, layout=layout)
         if state["data_cursor"].get("mixture") != mixture.digest():
             raise SFTError(
                 f"{latest} was trained on another mixture ({state['data_cursor'].get('mixture')}, now "
@@ -230,7 +254,9 @@ def train_sft(
             )
         step = state["step"]
         say(f"resumed from {latest} (step {step} of {total_steps})")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if layout.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    layout.barrier()
     stop_at = total_steps if max_steps is None else min(total_steps, max_steps)
     order = row_order(len(mixture.rows), total_steps * config.global_batch, config.seed)
     metrics: dict[str, Any] = {}
@@ -246,11 +272,12 @@ def train_sft(
             lr=lr_at(step, total_steps, config),
             micro_batch_tokens=config.micro_batch_tokens,
             grad_clip=config.grad_clip,
+            layout=layout,
         )
         trained_tokens += metrics["tokens"]
         metrics["epoch"] = step / total_steps
         if eval_rows and eval_every and (step % eval_every == 0 or step == stop_at):
-            metrics["eval_loss"] = evaluate_loss(model, eval_rows, config.micro_batch_tokens)
+            metrics["eval_loss"] = evaluate_loss(model, eval_rows, config.micro_batch_tokens, layout)
         if on_metrics is not None:
             on_metrics(step, metrics)
         if on_step is not None:
@@ -263,6 +290,7 @@ def train_sft(
                 optimizer=optimizer,
                 data_cursor={"mixture": mixture.digest(), "step": step},
                 extra={"model": str(model_dir), "config": config.as_dict(), "total_steps": total_steps},
+                layout=layout,
             )
     summary: dict[str, Any] = {
         "steps": step,
@@ -273,7 +301,7 @@ def train_sft(
     }
     if step >= total_steps:
         export_started = time.perf_counter()
-        summary["export"] = export_serving(model, model_dir, out_dir / SERVING_DIR)
+        summary["export"] = export_serving(model, model_dir, out_dir / SERVING_DIR, layout=layout)
         summary["export_seconds"] = time.perf_counter() - export_started
         summary["serving"] = str(out_dir / SERVING_DIR)
     return summary

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import typer
@@ -87,15 +88,26 @@ def sft(
     metrics_port: int | None = typer.Option(
         None, "--metrics-port", help="Serve bcstack_trainer_* on this port.", show_default=False
     ),
+    tp: int = typer.Option(
+        1,
+        "--tp",
+        min=1,
+        help="Tensor-parallel size. Under torchrun the job's processes form a [dp, tp] mesh, "
+        "dp = world size / tp (FSDP2 on dp); one process takes --tp 1.",
+    ),
 ) -> None:
     """Supervised fine-tuning (seed 001): a token-balanced mixture of sources, one epoch, AdamW cosine.
 
     Prints and writes (OUT/mixture.json) the constructed mixture (rows and supervised tokens per
     source), logs every step to OUT/metrics.jsonl (and TensorBoard / W&B), checkpoints, and exports
     the final model to OUT/serving in the serving format (`bcstack checkpoint verify` passes).
+
+    Several GPUs (or CPU processes, gloo): `torchrun --nproc_per_node N -m bcstack train sft --tp T ...`
+    (dp = N / T); rank 0 alone prints, logs and exports; checkpoints are sharded and resume at any layout.
     """
     from transformers import AutoTokenizer
 
+    from trainer.distributed import LayoutError, init_layout
     from trainer.sft import SFTConfig, SFTError, epoch_steps, train_sft
     from trainer.sft_data import (
         SFTDataError,
@@ -107,7 +119,11 @@ def sft(
     )
     from trainer.sinks import RunSinks, SinkError
 
-    console = Console(stderr=True)
+    try:
+        layout = init_layout(tp)  # before loading anything: joins the torchrun job, if any
+    except LayoutError as e:
+        fail(str(e))
+    console = Console(stderr=True, quiet=not layout.is_main)
     if not (model / "config.json").is_file():
         fail(f"--model {model}: not a model folder (no config.json)")
     config = SFTConfig(
@@ -152,25 +168,31 @@ def sft(
         fail(str(e))
     steps = epoch_steps(len(mixture.rows), config)
     _print_mixture(console, mixture, steps, global_batch, epochs)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mixture.json").write_text(
-        json.dumps(
-            {"seed": seed, "rows": len(mixture.rows), "steps": steps, "digest": mixture.digest(),
-             "sources": list(mixture.table)},
-            indent=2,
-        ) + "\n"
-    )  # fmt: skip
+    if layout.is_main:  # rank 0 alone writes the run folder's files
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "mixture.json").write_text(
+            json.dumps(
+                {"seed": seed, "rows": len(mixture.rows), "steps": steps, "digest": mixture.digest(),
+                 "sources": list(mixture.table)},
+                indent=2,
+            ) + "\n"
+        )  # fmt: skip
     wanted = {name.strip() for name in report_to.split(",") if name.strip()}
     started = time.perf_counter()
     try:
-        with RunSinks(
-            out,
-            wanted,
-            prometheus_port=metrics_port,
-            run_name="sft",
-            config={"model": str(model), "sources": source, **config.as_dict()},
-            resume_update=0 if not resume else _last_step(out),
-        ) as sinks:
+        run_sinks = (
+            RunSinks(
+                out,
+                wanted,
+                prometheus_port=metrics_port,
+                run_name="sft",
+                config={"model": str(model), "sources": source, **config.as_dict()},
+                resume_update=0 if not resume else _last_step(out),
+            )
+            if layout.is_main
+            else nullcontext(None)
+        )
+        with run_sinks as sinks:
 
             def show(step: int, total: int, m: dict) -> None:  # type: ignore[type-arg]
                 held = f" eval_loss {m['eval_loss']:.4f}" if "eval_loss" in m else ""
@@ -189,8 +211,9 @@ def sft(
                 max_steps=max_steps,
                 eval_rows=eval_rows,
                 eval_every=eval_every,
-                on_metrics=sinks.log,
+                on_metrics=sinks.log if sinks is not None else None,
                 on_step=show,
+                layout=layout,
                 say=console.print,
             )
     except (SFTError, SinkError, ValueError) as e:
@@ -205,6 +228,7 @@ def sft(
         console.print(
             f"stopped after step {summary['steps']} of {summary['total_steps']}; continue with --resume"
         )
+    layout.close()
 
 
 def _last_step(out: Path) -> int:

@@ -161,6 +161,13 @@ def rl(
         help="Tries per judge call before the run stops.",
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
+    tp: int = typer.Option(
+        1,
+        "--tp",
+        min=1,
+        help="Tensor-parallel size. Under torchrun the job's processes form a [dp, tp] mesh, "
+        "dp = world size / tp (FSDP2 on dp); rank 0 runs the loop, every rank trains.",
+    ),
 ) -> None:
     """Train a worker on live rollouts: submit question groups to the gateway, grade them with the
     judge, GRPO-update the policy, export it and hot-reload every worker replica, and go round.
@@ -171,16 +178,16 @@ def rl(
     from the newest complete checkpoint. Bad input is one `error:` line.
     """
     from bcstack.evaluation.loaders import LoaderError, load_questions
-    from bcstack.rl.loop import RLConfig, RLError, RLRun
+    from bcstack.rl.loop import RLConfig, RLError, RLRun, follow
     from bcstack.rl.rollouts import RolloutError
     from services.worker.rolling import ReplicaDiscoveryError, k8s_worker_urls, parse_worker_urls
+    from trainer.distributed import LayoutError, init_layout
     from trainer.grpo import GRPOError
-    from trainer.parallel import refuse_multi_rank
     from trainer.sinks import SinkError
 
     try:
-        refuse_multi_rank("bcstack train rl")
-    except RuntimeError as exc:
+        layout = init_layout(tp)  # before loading anything: joins the torchrun job, if any
+    except LayoutError as exc:
         fail(str(exc))
     if mixed_versions not in ("keep", "drop", "error"):
         fail(f"--mixed-versions must be keep, drop or error, not {mixed_versions!r}")
@@ -243,11 +250,15 @@ def rl(
         metrics_port=metrics_port,
     )
     try:
-        with _live_view(updates) as (say, on_metrics, on_progress):
-            run = RLRun(config, say=say, on_metrics=on_metrics, on_progress=on_progress)
-            asyncio.run(run.run(resume=resume))
-    except (RLError, RolloutError, GRPOError, SinkError) as exc:
+        if not layout.is_main:  # rank 0 runs the loop; the others train with it
+            follow(config, layout)
+        else:
+            with _live_view(updates) as (say, on_metrics, on_progress):
+                run = RLRun(config, say=say, on_metrics=on_metrics, on_progress=on_progress, layout=layout)
+                asyncio.run(run.run(resume=resume))
+    except (RLError, RolloutError, GRPOError, SinkError, LayoutError) as exc:
         fail(str(exc))
+    layout.close()
 
 
 @contextlib.contextmanager

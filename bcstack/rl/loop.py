@@ -44,7 +44,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bcstack.rl.rollouts import GroupRollout, StackClient, weight_version
 from bcstack.rl.sampler import Group, GroupSampler
@@ -53,6 +53,7 @@ from services.worker.rolling import rolling_reload
 from trainer.advantages import scale_negative_advantages
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.data import Sample, read_record
+from trainer.distributed import Followers, Layout, parallelize
 from trainer.grpo import (
     GROUPS_PER_STEP,
     LR,
@@ -66,6 +67,9 @@ from trainer.grpo import (
     sample_credit,
 )
 from trainer.sinks import RunSinks, read_metrics
+
+if TYPE_CHECKING:
+    import torch
 
 # A fault-injection hook for the crash-safety tests, like the coordinator LLM's seeded faults:
 # BCSTACK_RL_CRASH_AT=PHASE:UPDATE SIGKILLs the process at that point of that update (PHASE:
@@ -167,12 +171,16 @@ class RLRun:
         say: Callable[[str], None] = print,
         on_metrics: Callable[[dict[str, Any]], None] | None = None,
         on_progress: Callable[[str, dict[str, Any]], None] | None = None,
+        layout: Layout | None = None,
     ) -> None:
         if config.groups < 1 or config.group_size < 1 or config.updates < 0 or config.max_policy_lag < 0:
             raise RLError("--groups and --group-size must be at least 1, --updates and --max-policy-lag >= 0")
         if config.max_seconds is not None and config.max_seconds <= 0:
             raise RLError(f"--max-minutes must be > 0, got {config.max_seconds / 60:g}")
         self.cfg = config
+        # Under torchrun this is rank 0: the other ranks train with it (`follow`), told by `followers`.
+        self.layout = layout or Layout.single()
+        self.followers = Followers(self.layout)
         self.say = say
         self.on_metrics = on_metrics or (lambda _m: None)
         self.on_progress = on_progress or (lambda _kind, _data: None)
@@ -222,14 +230,10 @@ class RLRun:
         atomic_write_text(run_path, json.dumps(run, indent=1) + "\n")
         self.run_id, self.generation = run["run_id"], run["generation"]
 
-        self.policy = load_policy(cfg.model)
-        self.ref = load_reference(cfg.ref)
-        self.optimizer = make_optimizer(self.policy, cfg.lr)
+        self.followers.send("start", None if latest is None else str(latest))
+        self.policy, self.ref, self.optimizer, state = _trainer_state(cfg, self.layout, latest)
         self.sampler = GroupSampler(cfg.questions, seed=cfg.seed)
-        if latest is not None:
-            state = load_checkpoint(latest, model=self.policy, optimizer=self.optimizer)
-            for group in self.optimizer.param_groups:  # the command line's LR wins
-                group["lr"] = cfg.lr
+        if state is not None:
             self.update = int(state["step"])
             cursor = state["data_cursor"]
             self.sampler = GroupSampler.restore(cfg.questions, cursor["sampler"])
@@ -278,7 +282,8 @@ class RLRun:
         t0 = time.perf_counter()
         target = self._export_dir(update)
         if not (target / "SHA256SUMS").is_file():
-            await asyncio.to_thread(export_serving, self.policy, self.cfg.model, target)
+            self.followers.send("export", str(target))
+            await asyncio.to_thread(export_serving, self.policy, self.cfg.model, target, layout=self.layout)
         _crash_point("export", update)
         t1 = time.perf_counter()
         root = self.cfg.worker_checkpoint_root
@@ -454,6 +459,7 @@ class RLRun:
             sample_credit(samples, episodes), self.cfg.negative_advantage_scale
         )
         _crash_point("update", self.update + 1)
+        self.followers.send("train", samples, credit)
         stats = grpo_step(
             self.policy,
             self.ref,
@@ -461,6 +467,7 @@ class RLRun:
             samples,
             credit,
             micro_batch_tokens=self.cfg.micro_batch_tokens,
+            layout=self.layout,
         )
         generated = [lp for s in samples for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if m]
         metrics.update(
@@ -556,6 +563,7 @@ class RLRun:
                         ],
                     }
                     pending = sorted({*self.pending, *self.inflight, *(r.group.index for r in self.ready)})
+                    self.followers.send("save", self.update)
                     save_checkpoint(
                         self.out / CHECKPOINTS_DIR,
                         self.update,
@@ -567,6 +575,7 @@ class RLRun:
                             "dropped_total": self.dropped_total,
                         },
                         extra={"metrics": metrics, "episodes": episodes, "run_id": self.run_id},
+                        layout=self.layout,
                     )
                     self.sinks.log(self.update, metrics)
                     _append_line(self.out / UPDATES_FILE, episodes)
@@ -582,7 +591,53 @@ class RLRun:
             await self.client.aclose()
             if getattr(self, "sinks", None) is not None:
                 self.sinks.close()
+        self.followers.send(Followers.STOP)
         return done
+
+
+def _trainer_state(
+    cfg: RLConfig, layout: Layout, latest: Path | None
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, dict[str, Any] | None]:
+    """Policy, reference and optimizer sharded for `layout`, restored from `latest` when given
+    (with the command line's LR), and the checkpoint's state. Every rank calls it, in step."""
+    policy = parallelize(load_policy(cfg.model, layout.device), layout)
+    ref = parallelize(load_reference(cfg.ref, layout.device), layout)
+    optimizer = make_optimizer(policy, cfg.lr)
+    state = None
+    if latest is not None:
+        state = load_checkpoint(latest, model=policy, optimizer=optimizer, layout=layout)
+        for group in optimizer.param_groups:  # the command line's LR wins
+            group["lr"] = cfg.lr
+    return policy, ref, optimizer, state
+
+
+def follow(cfg: RLConfig, layout: Layout) -> None:
+    """Ranks 1..N-1 of `torchrun ... bcstack train rl`: rank 0 runs the loop (`RLRun`); these hold
+    their shards of the same policy and take every training collective with it, as it tells them
+    (`trainer.distributed.Followers`). They write nothing but their checkpoint shards."""
+    models: dict[str, Any] = {}
+
+    def start(latest: str | None) -> None:
+        policy, ref, optimizer, _ = _trainer_state(cfg, layout, None if latest is None else Path(latest))
+        models.update(policy=policy, ref=ref, optimizer=optimizer)
+
+    def train(samples: list[Sample], credit: list[Any]) -> None:
+        grpo_step(
+            models["policy"], models["ref"], models["optimizer"], samples, credit,
+            micro_batch_tokens=cfg.micro_batch_tokens, layout=layout,
+        )  # fmt: skip
+
+    def save(update: int) -> None:
+        # Rank 0 writes the cursor and metrics; these ranks add their shards.
+        save_checkpoint(
+            Path(cfg.out) / CHECKPOINTS_DIR, update, model=models["policy"], optimizer=models["optimizer"],
+            data_cursor={}, layout=layout,
+        )  # fmt: skip
+
+    def export(target: str) -> None:
+        export_serving(models["policy"], cfg.model, Path(target), layout=layout)
+
+    Followers(layout).serve({"start": start, "train": train, "save": save, "export": export})
 
 
 def _describe(m: dict[str, Any], updates: int) -> str:

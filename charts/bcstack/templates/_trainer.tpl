@@ -84,14 +84,15 @@ the keys. Takes the root context.
 {{- if has (trimSuffix "/" $t.out) (list (trimSuffix "/" $t.model) (trimSuffix "/" $t.ref)) }}
 {{- fail (printf "trainer.out (%s) must differ from trainer.model and trainer.ref: GRPO must not write over the checkpoint it starts from or its KL reference" $t.out) }}
 {{- end }}
+{{- include "bcstack.trainer.validateLayout" . }}
 {{- $data := dict "key" "records" "block" $t.records "claim" true }}
-{{- $owned := list "--records" "--model" "--ref" "--out" "--resume" "--no-resume" "--lr" }}
-{{- $keys := "records.file, model, ref, out, resume, learningRate" }}
+{{- $owned := list "--records" "--model" "--ref" "--out" "--resume" "--no-resume" "--lr" "--tp" }}
+{{- $keys := "records.file, model, ref, out, resume, learningRate, tensorParallel" }}
 {{- if eq $t.mode "rl" }}
 {{- include "bcstack.trainer.validateRl" . }}
 {{- $data = dict "key" "rl.questions" "block" $t.rl.questions "claim" (not (empty $t.rl.questions.existingClaim)) }}
-{{- $owned = list "--gateway" "--judge" "--workers" "--k8s-selector" "--k8s-namespace" "--worker-port" "--questions" "--model" "--ref" "--out" "--worker-checkpoint-root" "--updates" "--groups" "--group-size" "--max-policy-lag" "--resume" "--no-resume" "--lr" "--eval-every" "--eval-questions" "--report-to" "--metrics-port" }}
-{{- $keys = "the rl block, model, ref, out, resume, learningRate" }}
+{{- $owned = list "--gateway" "--judge" "--workers" "--k8s-selector" "--k8s-namespace" "--worker-port" "--questions" "--model" "--ref" "--out" "--worker-checkpoint-root" "--updates" "--groups" "--group-size" "--max-policy-lag" "--resume" "--no-resume" "--lr" "--eval-every" "--eval-questions" "--report-to" "--metrics-port" "--tp" }}
+{{- $keys = "the rl block, model, ref, out, resume, learningRate, tensorParallel" }}
 {{- end }}
 {{- /* The input files lie on their own claim, or (rl questions without one) on the checkpoint volume. */}}
 {{- $dir := $mount }}
@@ -121,6 +122,32 @@ the keys. Takes the root context.
 {{- end }}
 {{- end }}
 
+{{/* The layout's checks: tensor parallelism inside a node and dividing the model's heads; several
+nodes write one checkpoint folder, so a volume the chart creates must be ReadWriteMany. Takes the
+root context. */}}
+{{- define "bcstack.trainer.validateLayout" -}}
+{{- $t := .Values.trainer }}
+{{- $tp := $t.tensorParallel | int64 }}
+{{- if mod ($t.gpusPerNode | int64) $tp }}
+{{- fail (printf "trainer.tensorParallel (%d) must divide trainer.gpusPerNode (%d): tensor parallelism stays inside a node" $tp ($t.gpusPerNode | int64)) }}
+{{- end }}
+{{- range $key := list "attentionHeads" "keyValueHeads" }}
+{{- $heads := index $t.modelShape $key | int64 }}
+{{- if mod $heads $tp }}
+{{- fail (printf "trainer.tensorParallel (%d) must divide trainer.modelShape.%s (%d): each rank holds whole heads" $tp $key $heads) }}
+{{- end }}
+{{- end }}
+{{- $w := .Values.worker }}
+{{- if and (gt ($t.nodes | int64) 1) (not $w.checkpoints.existingClaim) (not (has "ReadWriteMany" $w.checkpoints.accessModes)) }}
+{{- fail (printf "trainer.nodes %d: every node writes its checkpoint shards into trainer.out, so the checkpoint volume must be ReadWriteMany (worker.checkpoints.accessModes)" ($t.nodes | int64)) }}
+{{- end }}
+{{- end }}
+
+{{/* The headless Service the pods of a multi-node Job find pod 0 by. Takes the root context. */}}
+{{- define "bcstack.trainer.rendezvousService" -}}
+{{- include "bcstack.componentName" (dict "context" . "suffix" "trainer-rdzv") }}
+{{- end }}
+
 {{/* The checks of rl mode: what the loop talks to. Takes the root context. */}}
 {{- define "bcstack.trainer.validateRl" -}}
 {{- $t := .Values.trainer }}
@@ -148,12 +175,12 @@ as YAML. Take (dict "context" $ "t" $t). */}}
 {{- end }}
 
 {{/* The container's resources: trainer.resources, plus with gpu true one GPU per process
-(tensorParallel), requested and limited (an extended resource's request must equal its limit).
+(gpusPerNode), requested and limited (an extended resource's request must equal its limit).
 Takes $t. */}}
 {{- define "bcstack.trainer.resources" -}}
 {{- $res := deepCopy .resources }}
 {{- if .gpu }}
-{{- $gpus := .tensorParallel | int64 }}
+{{- $gpus := .gpusPerNode | int64 }}
 {{- $_ := set $res "requests" (set (deepCopy ($res.requests | default dict)) .gpuResource $gpus) }}
 {{- $_ = set $res "limits" (set (deepCopy ($res.limits | default dict)) .gpuResource $gpus) }}
 {{- end }}
@@ -162,17 +189,30 @@ Takes $t. */}}
 
 {{/*
 The container's args after `torchrun`: the launcher's, then `-m bcstack train <mode>` and its own.
---standalone: a single-node rendezvous on a free local port, nothing to configure. -m runs each
-rank as `python -m bcstack ...` (bcstack/__main__.py) with torchrun's own interpreter, the venv's.
-Takes the root context.
+One pod: --standalone, a single-node rendezvous on a free local port, nothing to configure. Several
+(an Indexed Job): a c10d rendezvous hosted by pod 0's torchrun, reached by its stable DNS name
+`<job>-0.<headless Service>` ($(BCSTACK_JOB_NAME) is the pod's job-name label, expanded by the
+kubelet), the Job's name as the run id. -m runs each rank as `python -m bcstack ...`
+(bcstack/__main__.py) with torchrun's own interpreter, the venv's. Takes the root context.
 */}}
 {{- define "bcstack.trainer.args" -}}
 {{- $t := .Values.trainer }}
+{{- if eq ($t.nodes | int64) 1 }}
 - --standalone
 - --nnodes
 - "1"
+{{- else }}
+- --nnodes
+- {{ $t.nodes | int64 | quote }}
+- --rdzv-backend
+- c10d
+- --rdzv-endpoint
+- {{ printf "$(BCSTACK_JOB_NAME)-0.%s:%d" (include "bcstack.trainer.rendezvousService" .) ($t.rendezvousPort | int64) | quote }}
+- --rdzv-id
+- $(BCSTACK_JOB_NAME)
+{{- end }}
 - --nproc_per_node
-- {{ $t.tensorParallel | int64 | quote }}
+- {{ $t.gpusPerNode | int64 | quote }}
 - -m
 - bcstack
 - train
@@ -189,6 +229,8 @@ Takes the root context.
 - {{ $t.ref | quote }}
 - --out
 - {{ $t.out | quote }}
+- --tp
+- {{ $t.tensorParallel | int64 | quote }}
 {{- if not (kindIs "invalid" $t.learningRate) }}
 - --lr
 - {{ $t.learningRate | float64 | toString | quote }}
@@ -264,6 +306,14 @@ when they lie on the checkpoint volume). */}}
 {{- $data = $t.rl.questions }}
 {{- $dataVolume = ternary "questions" "" (not (empty $data.existingClaim)) }}
 {{- end }}
+{{- $nodes := $t.nodes | int64 }}
+{{- if gt $nodes 1 }}
+{{- /* One pod per node, all at once, each knowing its index; a pod that fails is replaced under the
+same name, and its torchrun rejoins the rendezvous. */}}
+completions: {{ $nodes }}
+parallelism: {{ $nodes }}
+completionMode: Indexed
+{{- end }}
 backoffLimit: {{ $t.backoffLimit | int64 }}
 {{- with $t.activeDeadlineSeconds }}
 activeDeadlineSeconds: {{ . | int64 }}
@@ -286,6 +336,10 @@ template:
       {{- end }}
   spec:
     restartPolicy: Never
+    {{- if gt $nodes 1 }}
+    {{- /* <job>-<index>.<this Service>: pod 0's name, where the rendezvous is. */}}
+    subdomain: {{ include "bcstack.trainer.rendezvousService" . }}
+    {{- end }}
     serviceAccountName: {{ include "bcstack.trainer.serviceAccountName" . }}
     {{- /* rl mode lists the worker pods through the Kubernetes API, as this ServiceAccount. */}}
     automountServiceAccountToken: {{ or $rl .Values.serviceAccount.automount }}
@@ -310,12 +364,20 @@ template:
         command: ["torchrun"]
         args:
           {{- include "bcstack.trainer.args" . | nindent 10 }}
-        {{- if $rl }}
+        {{- if or $rl (gt $nodes 1) }}
         ports:
+          {{- if $rl }}
           {{- /* /metrics (bcstack_trainer_*), for the PodMonitor. */}}
           - name: metrics
             containerPort: {{ $t.rl.metricsPort | int64 }}
             protocol: TCP
+          {{- end }}
+          {{- if gt $nodes 1 }}
+          {{- /* The c10d rendezvous, served by pod 0's torchrun. */}}
+          - name: rendezvous
+            containerPort: {{ $t.rendezvousPort | int64 }}
+            protocol: TCP
+          {{- end }}
         {{- end }}
         envFrom:
           - configMapRef:
@@ -324,6 +386,19 @@ template:
           {{- /* The checkpoints are local folders: never reach out to the Hugging Face Hub. */}}
           - name: HF_HUB_OFFLINE
             value: "1"
+          {{- if gt $nodes 1 }}
+          {{- /* The Job's name (with its spec hash): the rendezvous host's name and the run id. */}}
+          - name: BCSTACK_JOB_NAME
+            valueFrom:
+              fieldRef:
+                fieldPath: metadata.labels['batch.kubernetes.io/job-name']
+          {{- end }}
+          {{- if $t.gpu }}
+          {{- range $name, $value := $t.ncclEnv }}
+          - name: {{ $name }}
+            value: {{ $value | toString | quote }}
+          {{- end }}
+          {{- end }}
           {{- if $rl }}
           {{- /* The workers' admin token: each update's export is hot-reloaded into them. */}}
           {{- include "bcstack.adminTokenEnv" . | nindent 10 }}
