@@ -37,13 +37,21 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, toy_kit):
     state = tmp_path_factory.mktemp("stack")
+    kit = toy_kit["dir"]  # the session's world, tokenizer and index (conftest.toy_kit): nothing to build
     info = up(
-        state, worker="expert", docs=500, questions_per_tier=5, train_questions=(0, 0), say=lambda s: None
+        state, worker="expert", world=kit / "world", kit=kit / "tiny", index=kit / "idx", say=lambda s: None
     )
+    # Five questions per tier of the world's eight: the evaluations below stay 15 questions long.
+    rows = [json.loads(line) for line in (kit / "world" / "questions.jsonl").read_text().splitlines()]
+    tiers: dict[str, list[str]] = {}
+    for row in rows:
+        tiers.setdefault(row["data_source"], []).append(json.dumps(row))
+    questions = state / "questions.jsonl"
+    questions.write_text("".join(line + "\n" for lines in tiers.values() for line in lines[:5]))
     try:
-        yield {"state": state, "info": info, "questions": state / "world" / "questions.jsonl"}
+        yield {"state": state, "info": info, "questions": questions}
     finally:
         if read_state(state) is not None:
             down(state, say=lambda s: None)

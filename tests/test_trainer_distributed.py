@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.checkpoint import verify_checkpoint
 from devkit.modelkit.build import build_tiny_kit
 from trainer.checkpoint import load_model_state, step_dir_name
 
@@ -188,7 +189,9 @@ def test_grpo_under_torchrun_matches_one_process(grpo_runs: dict[str, Path], lay
     assert_same_run(grpo_runs["one"], grpo_runs[layout], step=2)
     # Rank 0 alone wrote the metrics: one line per step, not one per rank.
     assert [m["step"] for m in steps(grpo_runs[layout])] == [1, 2]
-    assert (grpo_runs[layout] / "serving" / "SHA256SUMS").is_file()
+    # The export gathered the full tensors: the same serving checkpoint, verified as any other.
+    summary = verify_checkpoint(grpo_runs[layout] / "serving")
+    assert summary["tensors"] == verify_checkpoint(grpo_runs["one"] / "serving")["tensors"]
 
 
 def test_grpo_checkpoint_saved_at_tp2_resumes_at_dp2_and_in_one_process(
@@ -235,12 +238,13 @@ def chat(kits: dict[str, Path]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kit", ["tiny", "wide"])
-def test_sft_under_torchrun_matches_one_process(kits: dict[str, Path], chat: Path, kit: str) -> None:
+def test_sft_under_torchrun_matches_one_process(kits: dict[str, Path], chat: Path) -> None:
+    # The wider model here, the tiny one in the GRPO runs: both commands, both shapes, five launches
+    # fewer than every pair (SFT on the tiny model at tp=2 and dp=2 matched as closely: 1.6e-6, 7e-9).
     outs = {}
     for name, ranks, tp in (("one", 1, 1), ("tp2", 2, 2), ("dp2", 2, 1)):
-        outs[name] = kits["root"] / f"sft-{kit}-{name}"
-        bcstack(sft_args(kits[kit], chat, outs[name], tp), ranks=ranks)
+        outs[name] = kits["root"] / f"sft-wide-{name}"
+        bcstack(sft_args(kits["wide"], chat, outs[name], tp), ranks=ranks)
     for layout in ("tp2", "dp2"):
         assert_same_run(outs["one"], outs[layout], step=2)
 

@@ -42,13 +42,14 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def stack(tmp_path_factory: pytest.TempPathFactory, toy_kit: dict) -> dict[str, Path]:
     state = tmp_path_factory.mktemp("grpo") / "stack"
     quiet = lambda _line: None  # noqa: E731
-    info = up(state, worker="tiny", docs=500, questions_per_tier=2, train_questions=(0, 0), say=quiet)
+    kit = toy_kit["dir"]  # the session's world, tiny model and index (conftest.toy_kit)
+    info = up(state, worker="tiny", world=kit / "world", kit=kit / "tiny", index=kit / "idx", say=quiet)
     try:
         gateway = info["services"]["coordinator"]["http"]
-        lines = (state / "world" / "questions.jsonl").read_text().splitlines()
+        lines = (kit / "world" / "questions.jsonl").read_text().splitlines()
         questions = [json.loads(line) for line in lines]
         for group, question in enumerate(questions[:2]):
             for _ in range(2):
@@ -67,7 +68,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 assert response.status_code == 200, response.text
     finally:
         down(state, say=quiet)
-    return {"records": state / "records.sqlite", "tiny": state / "tiny"}
+    return {"records": state / "records.sqlite", "tiny": kit / "tiny"}
 
 
 def grpo(*args: str | Path):

@@ -13,8 +13,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +31,6 @@ from stack_util import bcstack_process
 from core.checkpoint import write_sha256sums
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from devkit.modelkit.build import build_tiny_kit
-from devkit.toyworld.generator import generate_world, write_world
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE
 from services.worker.engine_client import EngineError
 from services.worker.reload import DISABLED_MESSAGE, ReloadManager, ReloadRefused, resolve_checkpoint
@@ -46,16 +43,10 @@ WEIGHTS = "model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, toy_kit):
     tmp = tmp_path_factory.mktemp("reload")
-    world = generate_world(500, 5, questions_per_tier=8, train_medium=0, train_hard=0)
-    write_world(world, tmp / "world")
-    # Indexing (dense embeddings) is the slow part: the kits, exports and engine start meanwhile.
-    index = subprocess.Popen(
-        [sys.executable, "-m", "bcstack", "index", "--corpus", str(tmp / "world" / "corpus.jsonl"),
-         "--index-dir", str(tmp / "idx")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    # The session's toy world and its index (conftest.toy_kit); two kits of our own to swap between.
+    world = toy_kit["world"]
     build_tiny_kit(tmp / "a", seed=0)
     build_tiny_kit(tmp / "b", seed=1)
     rows = json.loads((tmp / "a" / "config.json").read_text())["vocab_size"]
@@ -66,7 +57,6 @@ def stack(tmp_path_factory):
     ports = {name: find_free_port() for name in ("r_http", "r_grpc", "e_http", "w_http", "w_grpc")}
     env = {"BCSTACK_ADMIN_TOKEN": TOKEN}
     with contextlib.ExitStack() as stack:
-        stack.callback(lambda: index.poll() is None and index.kill())
         stack.enter_context(
             bcstack_process(
                 ["serve", "engine", "--model", str(tmp / "a"), "--port", str(ports["e_http"])],
@@ -74,12 +64,10 @@ def stack(tmp_path_factory):
                 env=env,
             )
         )
-        output, _ = index.communicate(timeout=300)
-        assert index.returncode == 0, output
         stack.enter_context(
             bcstack_process(
-                ["serve", "retrieval", "--index-dir", str(tmp / "idx"), "--port", str(ports["r_http"]),
-                 "--grpc-port", str(ports["r_grpc"])],
+                ["serve", "retrieval", "--index-dir", str(toy_kit["dir"] / "idx"),
+                 "--port", str(ports["r_http"]), "--grpc-port", str(ports["r_grpc"])],
                 f"http://127.0.0.1:{ports['r_http']}/health",
             )
         )  # fmt: skip

@@ -28,8 +28,9 @@ What the step needs from the layout, and why:
 - `train_context`: `loss_parallel()` when tp > 1, around forward AND backward (its backward kernels
   are swapped in by the context), so the vocab-sharded logits are never gathered on one rank.
 - `PACKED_FORWARD`: the trainer runs the decoder and the chunked output head as one call
-  (`trainer.packing.next_token_logprobs`), not through `forward`; `register_fsdp_forward_method`
-  makes FSDP's root unit all-gather and reduce-scatter around that call too.
+  (`trainer.packing.packed_logprobs`, attached to the model as that method), not through
+  `forward`; `register_fsdp_forward_method` makes FSDP's root unit all-gather and reduce-scatter
+  around that call too.
 
 Not here: pipeline parallelism and context parallelism (a 24,576-token trajectory fits one rank
 with the varlen attention of `trainer.attention`).
@@ -109,19 +110,20 @@ class Layout:
         """Each value summed over the dp ranks (the identity for dp = 1)."""
         if self.dp == 1 or self.mesh is None:
             return [float(v) for v in values]
-        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        # On the rank's device: NCCL reduces CUDA tensors only.
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, group=self.mesh.get_group(DP_MESH_DIM))
         return tensor.tolist()
 
     def max_over_world(self, value: float) -> float:
         if self.env.world_size == 1:
             return value
-        tensor = torch.tensor([float(value)], dtype=torch.float64)
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return float(tensor.item())
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (a pickle round trip; small objects only)."""
+        """Rank 0's `obj` on every rank, pickled (the RL loop's samples and credit: a few MB)."""
         if self.env.world_size == 1:
             return obj
         holder = [obj]

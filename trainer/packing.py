@@ -262,8 +262,8 @@ def packed_logprobs(
     the row, or only those where the bool mask `select` ([T - 1]) is True: [N] float32.
 
     Predictions across a sample boundary are computed too (the caller masks them; see
-    `per_token_logprobs`). The decoder and the output head run in this one call, which an FSDP-sharded
-    model registers as a forward method (`trainer.distributed.PACKED_FORWARD`).
+    `per_token_logprobs`). The decoder and the output head run in this one call, which
+    `trainer.distributed.parallelize` registers with FSDP as a forward method (`PACKED_FORWARD`).
     """
     hidden = hidden_states(model, batch)[:-1]
     targets = batch.input_ids[0, 1:].to(hidden.device)

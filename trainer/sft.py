@@ -275,6 +275,7 @@ def train_sft(
             layout=layout,
         )
         trained_tokens += metrics["tokens"]
+        metrics["step"] = step  # as `bcstack train grpo` names it (the sinks add "update" too)
         metrics["epoch"] = step / total_steps
         if eval_rows and eval_every and (step % eval_every == 0 or step == stop_at):
             metrics["eval_loss"] = evaluate_loss(model, eval_rows, config.micro_batch_tokens, layout)
