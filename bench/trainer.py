@@ -1,9 +1,11 @@
 """Benchmark: a GRPO step with packed micro-batches vs the same samples padded; TP=2 vs TP=1 step time.
 
     python bench/trainer.py [--repeats 3] [--budgets 2048,1024] [--threads 1] [--max-len 1024]
-                            [--tp-shapes 8x256,8x1024] [--work DIR] [--json FILE] [--results FILE]
+                            [--tp-shapes 8x256,8x1024] [--shape 64x2] [--work DIR] [--json FILE]
+                            [--results FILE]
 
-All on the CPU with the tiny float32 Qwen3 of `devkit.modelkit` (built into --work once). The
+All on the CPU with the tiny float32 Qwen3 of `devkit.modelkit` (built into --work once), or a
+wider one of the same design (`--shape 256x4`: width x layers). The
 tables, with the command, commit, machine and date, go to bench/results/trainer.md (--results);
 that file is where the README's numbers come from. A quick run that only checks the machinery:
 `--repeats 1 --max-len 256 --budgets 512 --tp-shapes 2x64`.
@@ -769,6 +771,12 @@ def main() -> None:
     )
     parser.add_argument("--tp-shapes", default="8x256,8x1024", help="TP batches, BATCHxSEQ, comma-separated")
     parser.add_argument(
+        "--shape",
+        default="64x2",
+        help="model width x layers: 64x2 is the tiny kit; wider ones keep its tokenizer and ratios "
+        "(head_dim 32 or less, 2 query heads per KV head, MLP 3x the width)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads for the packing comparison (see the docstring)"
     )
     parser.add_argument(
@@ -785,7 +793,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    print("trainer benchmark (tiny Qwen3, CPU)")
+    print(f"trainer benchmark (Qwen3-architecture model {args.shape}, CPU)")
     print_machine()
     all_threads = torch.get_num_threads()
     print(f"  torch     {torch.__version__}, {all_threads} threads by default")
@@ -793,12 +801,24 @@ def main() -> None:
     print(f"  load avg  {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f} (1 / 5 / 15 min)")
 
     args.work.mkdir(parents=True, exist_ok=True)
-    kit = args.work / "tiny"
+    width, layers = (int(part) for part in args.shape.split("x"))
+    kit = args.work / ("tiny" if (width, layers) == (64, 2) else f"wide-{width}x{layers}")
     if not (kit / "tokenizer.json").exists():
         from devkit.modelkit.build import build_tiny_kit
+        from devkit.modelkit.model import TinyQwen3Shape
 
-        print("building the tiny model kit ...", flush=True)
-        build_tiny_kit(kit, force=True)
+        heads = max(4, width // 32)
+        shape = TinyQwen3Shape(
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 2,
+            head_dim=width // heads,
+            intermediate_size=3 * width,
+        )
+        print(f"building the model kit ({width} wide, {layers} layers) ...", flush=True)
+        build_tiny_kit(kit, force=True, shape=shape)
+    print(f"  model     {args.shape} (width x layers), {kit}")
 
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
@@ -816,6 +836,7 @@ def main() -> None:
         f"benchmark wall time {wall_s:.0f} s"
     )
     extra = {
+        "model": f"{args.shape} (width x layers), {kit.name}",
         "torch": f"{torch.__version__}, {all_threads} threads by default",
         "load average (1 min)": f"{load_before[0]:.2f} before, {load_after[0]:.2f} after",
         "wall time": f"{wall_s:.0f} s",
