@@ -225,7 +225,7 @@ def grpo(
     runs the same step on every rank, each dp rank on its share of the micro-batches; rank 0 alone
     prints, writes metrics.jsonl and exports; checkpoints are sharded (DCP) and resume at any layout.
     """
-    from trainer.distributed import LayoutError, init_layout, silent
+    from trainer.distributed import LayoutError, init_layout
 
     try:
         layout = init_layout(tp)  # before loading anything: joins the torchrun job, if any
@@ -252,7 +252,7 @@ def grpo(
             groups_per_step=groups_per_step,
             mixed_versions=mixed_versions.value,
             layout=layout,
-            say=typer.echo if layout.is_main else silent,
+            say=typer.echo,  # train() silences every rank but 0
         )
     except (GRPOError, SampleError, CheckpointError, ExportError, VerifyError, OSError) as error:
         fail(" ".join(str(error).split()))
