@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -181,13 +182,18 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_prometheus_serves_the_last_gauges_and_the_summed_counters(tmp_path):
     port = find_free_port()
+    started = time.time()
     sinks = RunSinks(tmp_path, set(), prometheus_port=port, prometheus_host=LOOPBACK)
     try:
+        before_update = scrape(port)["bcstack_trainer_last_update_timestamp_seconds"]
+        time.sleep(0.05)
         sinks.log(1, update_metrics(1))
         sinks.log(2, {**update_metrics(2), "kl": None})  # a missing value keeps the gauge
         seen = scrape(port)
     finally:
         sinks.close()
+    # The stalled-trainer alert's clock: the start before the first update, then each update.
+    assert started <= before_update < seen.pop("bcstack_trainer_last_update_timestamp_seconds") <= time.time()
     last = update_metrics(2)
     assert seen == {
         "bcstack_trainer_update": 2,

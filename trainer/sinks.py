@@ -32,6 +32,8 @@ after every update fans one metrics dict out to every sink:
   bcstack_trainer_export_seconds             ``export_seconds``
   bcstack_trainer_loss                       ``loss`` (SFT's token-mean cross-entropy)
   bcstack_trainer_learning_rate              ``lr``
+  bcstack_trainer_last_update_timestamp_seconds  Unix time of the last ``log`` (the sink's start
+                                             before the first): what the stalled-trainer alert reads
   bcstack_trainer_dropped_stale_total        counter, ``dropped_stale`` per update
   bcstack_trainer_excluded_episodes_total    counter, ``excluded_episodes`` per update
   bcstack_trainer_zero_variance_groups_total counter, ``zero_variance_groups`` per update
@@ -229,12 +231,19 @@ class _Prometheus:
             key: Counter(METRIC_PREFIX + name, text, registry=self.registry)
             for name, (text, key) in COUNTERS.items()
         }
+        self.last_update = Gauge(
+            METRIC_PREFIX + "last_update_timestamp_seconds",
+            "Unix time of the last finished update (the run's start before the first).",
+            registry=self.registry,
+        )
+        self.last_update.set_to_current_time()
         try:
             self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as e:
             raise SinkError(f"cannot serve Prometheus metrics for {run_name} on {host}:{port}: {e}") from e
 
     def log(self, metrics: Mapping[str, Any]) -> None:
+        self.last_update.set_to_current_time()
         for keys, gauge in self.gauges.items():
             value = next((metrics[k] for k in keys if metrics.get(k) is not None), None)
             if isinstance(value, int | float) and not isinstance(value, bool):

@@ -66,6 +66,12 @@ class WorkerMetrics:
             buckets=SECONDS_BUCKETS,
             registry=registry,
         )
+        self.turn_seconds = Histogram(
+            "bcstack_worker_turn_duration_seconds",
+            "Wall time of one assistant turn: generation, tool calls, observation, bookkeeping.",
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
         self.turn_overhead = Histogram(
             "bcstack_worker_turn_overhead_seconds",
             "The worker's own time per turn: the turn minus engine and retrieval waits.",
@@ -164,6 +170,7 @@ class WorkerMetrics:
             self.weight_version(record.weight_version)
         self.turn_tokens.observe(record.generated_tokens)
         self.engine_seconds.observe(record.engine_s)
+        self.turn_seconds.observe(record.total_s)
         self.turn_overhead.observe(record.overhead_s)
 
     def tool_call(self, record: ToolCallRecord) -> None:

@@ -171,3 +171,21 @@ fullname is cut, not the suffix, so two components' names stay apart under a lon
 {{- $prefix := include "bcstack.fullname" .context | trunc (sub $max (add1 (len .suffix)) | int) | trimSuffix "-" }}
 {{- printf "%s-%s" $prefix .suffix }}
 {{- end }}
+
+{{/*
+The `for:`, labels and annotations of one alert in prometheusrule.yaml. Takes a dict: "root" (the chart context), "alert" (its
+values block: for, severity, labels), "name", "summary", "description". The runbook annotation
+names the README's section for the alert; runbook_url is added when metrics.prometheusRule.runbookUrl is set.
+*/}}
+{{- define "bcstack.alertCommon" -}}
+{{- $labels := merge (dict "severity" .alert.severity) (.alert.labels | default dict) }}
+{{- $annotations := dict "summary" .summary "description" .description "runbook" (printf "README.md, Operating > Alerts > %s" .name) }}
+{{- with .root.Values.metrics.prometheusRule.runbookUrl }}
+{{- $_ := set $annotations "runbook_url" (printf "%s#%s" . (lower $.name)) }}
+{{- end -}}
+for: {{ .alert.for }}
+labels:
+  {{- toYaml $labels | nindent 2 }}
+annotations:
+  {{- toYaml $annotations | nindent 2 }}
+{{- end }}
