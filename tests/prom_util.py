@@ -5,48 +5,42 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
-import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from conftest import find_free_port, wait_until
 
 
 @contextlib.contextmanager
-def prometheus(tmp_path: Path, targets: dict[str, str]) -> Iterator[str]:
-    """Scrape ``{job: "host:port"}`` every second; yields the query API URL."""
+def prometheus(
+    tmp_path: Path, targets: dict[str, str | list[str]], rule_files: Iterable[Path] = ()
+) -> Iterator[str]:
+    """Scrape ``{job: "host:port" or ["host:port", ...]}`` every second and evaluate `rule_files`
+    every second; yields the query API URL (``.../api/v1/query``)."""
     binary = shutil.which("prometheus") or (
         "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else ""
     )
     if not binary:
         pytest.fail("no Prometheus server (Debian package `prometheus`): run `make install`")
     port = find_free_port()
-    jobs = "".join(
-        f"""
-              - job_name: {job}
-                static_configs:
-                  - targets: ["{target}"]"""
-        for job, target in targets.items()
-    )
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        textwrap.dedent(
-            """
-            global:
-              scrape_interval: 1s
-              scrape_timeout: 1s
-            scrape_configs:"""
-        )
-        + jobs
-        + "\n"
-    )
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(p) for p in rule_files],
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": [where] if isinstance(where, str) else where}]}
+            for job, where in targets.items()
+        ],
+    }
+    config_file = tmp_path / "prometheus.yml"
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     log = (tmp_path / "prometheus.log").open("w")
     proc = subprocess.Popen(
         [
             binary,
-            f"--config.file={config}",
+            f"--config.file={config_file}",
             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{port}",
             "--log.level=warn",
@@ -56,7 +50,13 @@ def prometheus(tmp_path: Path, targets: dict[str, str]) -> Iterator[str]:
     )
     api = f"http://127.0.0.1:{port}/api/v1/query"
     try:
-        wait_until(lambda: httpx.get(api, params={"query": "up"}, timeout=2).status_code == 200, timeout=30)
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"Prometheus exited: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+            return httpx.get(api, params={"query": "up"}, timeout=2).status_code == 200
+
+        wait_until(ready, timeout=30)
         yield api
     finally:
         proc.terminate()
@@ -71,3 +71,17 @@ def query(api: str, promql: str) -> list[dict]:
     body = httpx.get(api, params={"query": promql}, timeout=5).json()
     assert body["status"] == "success", body
     return body["data"]["result"]
+
+
+def alerts(api: str) -> list[dict]:
+    """Prometheus' active alerts (pending and firing), from /api/v1/alerts."""
+    body = httpx.get(api.replace("/query", "/alerts"), timeout=5).json()
+    assert body["status"] == "success", body
+    return body["data"]["alerts"]
+
+
+def metric_names(api: str) -> set[str]:
+    """Every metric name Prometheus holds a series of."""
+    body = httpx.get(api.replace("/query", "/label/__name__/values"), timeout=5).json()
+    assert body["status"] == "success", body
+    return set(body["data"])

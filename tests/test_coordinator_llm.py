@@ -391,6 +391,36 @@ def test_fail_rate_half_with_a_seed_gives_a_reproducible_pattern() -> None:
     assert first == [500 if injector.draw() else 200 for _ in range(16)]
 
 
+def test_admin_faults_turn_injection_on_and_off_at_runtime() -> None:
+    token = "faults-token"
+    auth = {"Authorization": f"Bearer {token}"}
+    with serving(admin_token=token) as url:
+        assert chat(url, first_turn()).status_code == 200
+        assert httpx.get(f"{url}/admin/faults", headers=auth, timeout=5).json() == {
+            "fail_rate": 0.0, "fail_mode": "http500", "fault_seed": 0
+        }  # fmt: skip
+        on = httpx.put(f"{url}/admin/faults", json={"fail_rate": 1.0}, headers=auth, timeout=5)
+        assert on.status_code == 200 and on.json()["fail_rate"] == 1.0
+        assert_openai_error(chat(url, first_turn()), 500, type="server_error")
+        mode = httpx.put(f"{url}/admin/faults", json={"fail_mode": "http429"}, headers=auth, timeout=5)
+        assert mode.json() == {"fail_rate": 1.0, "fail_mode": "http429", "fault_seed": 0}
+        assert chat(url, first_turn()).status_code == 429
+        for bad in ({"fail_rate": 2}, {"fail_mode": "explode"}, {"rate": 1.0}):
+            refused = httpx.put(f"{url}/admin/faults", json=bad, headers=auth, timeout=5)
+            assert refused.status_code == 422, (bad, refused.text)
+        assert httpx.put(f"{url}/admin/faults", json={"fail_rate": 0}, timeout=5).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert (
+            httpx.put(f"{url}/admin/faults", json={"fail_rate": 0}, headers=wrong, timeout=5).status_code
+            == 403
+        )
+        assert chat(url, first_turn()).status_code == 429  # the refused changes changed nothing
+        off = httpx.put(f"{url}/admin/faults", json={"fail_rate": 0}, headers=auth, timeout=5)
+        assert off.status_code == 200 and chat(url, first_turn()).status_code == 200
+    with serving() as url:  # no admin token configured: the routes are disabled, never open
+        assert httpx.put(f"{url}/admin/faults", json={"fail_rate": 1}, timeout=5).status_code == 403
+
+
 # --- the command line ----------------------------------------------------------------------------
 
 

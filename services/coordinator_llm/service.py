@@ -22,6 +22,11 @@ chat completions only, after auth and request checks:
 - http429: 429 `rate_limit_exceeded` with `Retry-After: retry_after_seconds`;
 - garbage: 200, a well-formed completion whose content holds no function call;
 - hang: the normal answer after `hang_seconds` (so a client timeout below that fires first).
+
+`GET|PUT /admin/faults` (admin bearer token, as every service's admin routes) reads or replaces
+the injection at runtime: `{"fail_rate", "fail_mode", "fault_seed"}`, each optional in a PUT (the
+current value stays); a PUT restarts the seeded draws. A chaos test turns 500s on and off without
+restarting the server.
 """
 
 from __future__ import annotations
@@ -33,18 +38,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field
 
-from core.kit.auth import bearer_token, token_matches
+from core.kit.auth import bearer_token, require_admin, token_matches
 from core.kit.http import create_app
 from core.kit.metrics import new_registry
 from services.coordinator_llm import protocol as proto
 from services.coordinator_llm.faults import GARBAGE_CONTENT, FaultInjector
 from services.coordinator_llm.metrics import CoordinatorLlmMetrics
 from services.coordinator_llm.policies import CoordinatorPolicy, build_policy
-from services.coordinator_llm.settings import CoordinatorLlmSettings
+from services.coordinator_llm.settings import CoordinatorLlmSettings, FailMode
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,16 @@ class _Refused(Exception):
         self.error = error
 
 
+class FaultSettings(BaseModel):
+    """A PUT /admin/faults body: the fields given replace the current ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fail_rate: float | None = Field(None, ge=0.0, le=1.0)
+    fail_mode: FailMode | None = None
+    fault_seed: int | None = None
+
+
 def _error_response(error: proto.RequestError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -78,6 +94,7 @@ def build_app(
     registry = registry if registry is not None else new_registry()
     policy = policy if policy is not None else build_policy(settings)
     faults = FaultInjector(settings.fail_rate, settings.fail_mode, settings.fault_seed)
+    injection = {"faults": faults}  # replaced whole by PUT /admin/faults
     metrics = CoordinatorLlmMetrics(registry)
     model = settings.model_name
     created = proto.now()
@@ -159,7 +176,7 @@ def build_app(
             log.debug("refused a chat completion: %d %s", e.status, e)
             return _error_response(e)
 
-        fault = faults.draw()
+        fault = injection["faults"].draw()
         if fault == "http500":
             finished("fault_http500")
             return _error_response(
@@ -224,6 +241,30 @@ def build_app(
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
+
+    admin = [Depends(require_admin)]
+
+    def fault_state() -> dict[str, Any]:
+        now = injection["faults"]
+        return {"fail_rate": now.rate, "fail_mode": now.mode, "fault_seed": now.seed}
+
+    @app.get("/admin/faults", dependencies=admin)
+    async def get_faults() -> dict[str, Any]:
+        return fault_state()
+
+    @app.put("/admin/faults", dependencies=admin)
+    async def put_faults(body: FaultSettings) -> dict[str, Any]:
+        now = injection["faults"]
+        try:
+            injection["faults"] = FaultInjector(
+                now.rate if body.fail_rate is None else body.fail_rate,
+                body.fail_mode or now.mode,
+                now.seed if body.fault_seed is None else body.fault_seed,
+            )
+        except ValueError as e:
+            raise HTTPException(status_code=422, detail=str(e)) from None
+        log.warning("fault injection set to %s", fault_state())
+        return fault_state()
 
     @app.get("/v1/models", dependencies=keyed)
     async def list_models() -> Any:

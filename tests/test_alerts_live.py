@@ -1,0 +1,263 @@
+"""The chart's alerts on the live stack (issue 17): `bcstack up`, the real Prometheus (Debian's)
+evaluating the rendered PrometheusRule against every service's /metrics, episodes running, and
+three faults injected in turn. Each alert is seen `firing` through Prometheus' HTTP API and then
+resolved once the fault is removed:
+
+- the retrieval service SIGKILLed (BcstackTargetDown), then restarted with its own command line;
+- the coordinator LLM answering 500 to every call through its runtime fault injection
+  (BcstackCoordinatorUpstreamErrors, BcstackCoordinatorBreakerOpen), then healthy again;
+- a corrupt checkpoint sent to the worker's reload (BcstackWorkerReloadFailed), which resolves
+  once the window has passed.
+
+Prometheus scrapes each service under the job name the chart's ServiceMonitors give it
+(<release>-bcstack-<component>: the engine under the worker's, as the worker ServiceMonitor
+scrapes both containers), so these are the rules a cluster runs. Only the timings are the test's:
+a 20 s window, no `for:` holds, a 3 s breaker reset, scraped and evaluated every second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from conftest import wait_until
+from helm_harness import chart_defaults, render_chart
+from prom_util import alerts, prometheus, query
+
+from bcstack.stack import down, read_state, up
+
+RELEASE = "bc"
+JOBS = {  # stack service -> the job its chart ServiceMonitor scrapes it as
+    "retrieval": f"{RELEASE}-bcstack-retrieval",
+    "worker": f"{RELEASE}-bcstack-worker",
+    "engine": f"{RELEASE}-bcstack-worker",
+    "coordinator": f"{RELEASE}-bcstack-coordinator",
+    "judge": f"{RELEASE}-bcstack-judge",
+    "coordinator-llm": "coordinator-llm",  # outside the chart: the production coordinator LLM is external
+}
+WINDOW = "20s"
+
+
+def live_rules(path: Path) -> Path:
+    """The chart's rules with the test's timings: every alert at once (`for: 0s`), a 20 s window."""
+    alerts_values = {name: {"for": "0s"} for name in chart_defaults("metrics")["prometheusRule"]["alerts"]}
+    alerts_values["turnsSlow"]["baseline"] = "2m"
+    values = {"metrics": {"prometheusRule": {"enabled": True, "window": WINDOW, "alerts": alerts_values}}}
+    rule = next(o for o in render_chart(values, release=RELEASE) if o["kind"] == "PrometheusRule")
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
+    return path
+
+
+class Traffic:
+    """Episodes through the gateway, one after another, each graded by the judge, until stopped."""
+
+    def __init__(self, services: dict[str, Any], questions: list[dict[str, Any]]) -> None:
+        self.gateway = services["coordinator"]["http"]
+        self.judge = services["judge"]["http"]
+        self.questions = questions
+        self.finished = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+    def _run(self) -> None:
+        rng = random.Random(0)
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                q = rng.choice(self.questions)
+                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                    r = client.post(f"{self.gateway}/v1/episodes", json={"question": q["query"]})
+                    answer = (r.json().get("final_answer") or "") if r.status_code == 200 else ""
+                    client.post(
+                        f"{self.judge}/v1/grade",
+                        json={
+                            "question": q["query"],
+                            "response": answer or "none",
+                            "correct_answer": q["answer"],
+                        },
+                    )
+                    self.finished += 1
+                if self._stop.wait(0.05):
+                    return
+
+
+def firing(api: str, name: str, **labels: str) -> list[dict]:
+    return [
+        a
+        for a in alerts(api)
+        if a["labels"]["alertname"] == name
+        and a["state"] == "firing"
+        and all(a["labels"].get(k) == v for k, v in labels.items())
+    ]
+
+
+def wait_firing(api: str, name: str, timeout: float = 60, **labels: str) -> dict:
+    found = wait_until(
+        lambda: firing(api, name, **labels), timeout=timeout, interval=0.5, message=f"{name} firing"
+    )
+    return found[0]
+
+
+def wait_resolved(api: str, name: str, timeout: float = 90, **labels: str) -> None:
+    wait_until(
+        lambda: not firing(api, name, **labels), timeout=timeout, interval=0.5, message=f"{name} resolved"
+    )
+
+
+def _kill(state: Path, name: str) -> list[str]:
+    """SIGKILL one service of the stack; its command line, to start it again."""
+    pid = read_state(state)["services"][name]["pid"]
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+    return [a.decode() for a in argv]
+
+
+def _start(state: Path, name: str, argv: list[str]) -> None:
+    token = (state / "admin-token").read_text().strip()
+    log = (state / "logs" / f"{name}.restarted.log").open("w")
+    proc = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "BCSTACK_ADMIN_TOKEN": token},
+        start_new_session=True,
+    )
+    log.close()
+    info = json.loads((state / "stack.json").read_text())
+    info["services"][name]["pid"] = proc.pid  # so `bcstack down` stops the new process
+    (state / "stack.json").write_text(json.dumps(info, indent=2) + "\n")
+    http = info["services"][name]["http"]
+    wait_until(lambda: httpx.get(f"{http}/health", timeout=2).status_code == 200, timeout=120, message=name)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, toy_kit) -> Iterator[dict[str, Any]]:
+    state = tmp_path_factory.mktemp("alert-stack")
+    kit = toy_kit["dir"]
+    # The gateway lets a trial call through an open breaker after 3 s, not 30, so the breaker alert
+    # resolves within the test; every service reads its settings from the environment.
+    saved = os.environ.get("BCSTACK_COORDINATOR_BREAKER_RESET_SECONDS")
+    os.environ["BCSTACK_COORDINATOR_BREAKER_RESET_SECONDS"] = "3"
+    try:
+        info = up(
+            state,
+            worker="expert",
+            world=kit / "world",
+            kit=kit / "tiny",
+            index=kit / "idx",
+            say=lambda s: None,
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("BCSTACK_COORDINATOR_BREAKER_RESET_SECONDS")
+        else:
+            os.environ["BCSTACK_COORDINATOR_BREAKER_RESET_SECONDS"] = saved
+    services = info["services"]
+    targets: dict[str, list[str]] = {}
+    for name, job in JOBS.items():
+        targets.setdefault(job, []).append(services[name]["http"].removeprefix("http://"))
+    questions = [json.loads(line) for line in (kit / "world" / "questions.jsonl").read_text().splitlines()]
+    prom_dir = tmp_path_factory.mktemp("prometheus")
+    try:
+        with (
+            prometheus(prom_dir, targets, [live_rules(prom_dir / "rules.yaml")]) as api,
+            Traffic(services, questions) as traffic,
+        ):
+            yield {"state": state, "services": services, "api": api, "traffic": traffic}
+    finally:
+        if read_state(state) is not None:
+            down(state, say=lambda s: None)
+
+
+def test_no_alert_fires_on_the_healthy_stack(live):
+    api = live["api"]
+    wait_until(lambda: live["traffic"].finished >= 5, timeout=120, message="five graded episodes")
+
+    def every_target_up() -> bool:
+        ups = query(api, "up")
+        return len(ups) == len(JOBS) and all(s["value"][1] == "1" for s in ups)
+
+    wait_until(every_target_up, timeout=30, message="every target scraped")
+    # The recording rules evaluate (a rate needs two scrapes of the counter inside the window).
+    wait_until(
+        lambda: query(api, "job_stop_reason:bcstack_worker_episodes:rate"), timeout=30, message="rules"
+    )
+    assert [a["labels"]["alertname"] for a in alerts(api)] == []
+
+
+def test_retrieval_killed_fires_target_down_and_restarting_it_resolves_it(live):
+    api, state = live["api"], live["state"]
+    argv = _kill(state, "retrieval")
+    try:
+        alert = wait_firing(api, "BcstackTargetDown", job=JOBS["retrieval"])
+        assert alert["labels"]["severity"] == "critical"
+        assert alert["labels"]["instance"] == live["services"]["retrieval"]["http"].removeprefix("http://")
+        assert alert["annotations"]["runbook"] == "README.md, Operating > Alerts > BcstackTargetDown"
+    finally:
+        _start(state, "retrieval", argv)
+    wait_resolved(api, "BcstackTargetDown", job=JOBS["retrieval"])
+
+
+def test_coordinator_llm_500s_fire_upstream_errors_and_the_breaker_then_resolve(live):
+    api, services = live["api"], live["services"]
+    token = (live["state"] / "admin-token").read_text().strip()
+    auth = {"Authorization": f"Bearer {token}"}
+    llm = services["coordinator-llm"]["http"]
+    r = httpx.put(
+        f"{llm}/admin/faults", json={"fail_rate": 1.0, "fail_mode": "http500"}, headers=auth, timeout=5
+    )
+    assert r.status_code == 200, r.text
+    try:
+        errors = wait_firing(api, "BcstackCoordinatorUpstreamErrors", job=JOBS["coordinator"])
+        assert float(errors["value"]) > 0.1 and errors["labels"]["endpoint"]
+        wait_firing(api, "BcstackCoordinatorBreakerOpen", job=JOBS["coordinator"])
+    finally:
+        r = httpx.put(f"{llm}/admin/faults", json={"fail_rate": 0.0}, headers=auth, timeout=5)
+        assert r.status_code == 200, r.text
+    wait_resolved(api, "BcstackCoordinatorBreakerOpen")
+    wait_resolved(api, "BcstackCoordinatorUpstreamErrors")
+
+
+def test_a_corrupt_checkpoint_reload_fires_reload_failed_then_resolves(live, tmp_path):
+    api, state = live["api"], live["state"]
+    token = (state / "admin-token").read_text().strip()
+    bad = state / "train" / "corrupt"
+    shutil.copytree(live_kit_model(state), bad)
+    weights = next(bad.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut in half
+    worker = live["services"]["worker"]["http"]
+    r = httpx.post(
+        f"{worker}/admin/reload",
+        json={"checkpoint": "corrupt", "weight_version": "corrupt-1"},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    )
+    assert r.status_code == 422 and r.json()["status"] == "failed", r.text
+    alert = wait_firing(api, "BcstackWorkerReloadFailed", job=JOBS["worker"])
+    assert alert["labels"]["outcome"] == "rejected"
+    wait_resolved(api, "BcstackWorkerReloadFailed")
+
+
+def live_kit_model(state: Path) -> Path:
+    return Path(read_state(state)["assets"]["tiny"])
