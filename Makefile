@@ -3,7 +3,7 @@ PYTHON ?= python3
 STAMP  := .make/install.stamp
 PYTEST_ARGS ?=
 
-.PHONY: help install demo speedrun test lint proto clean
+.PHONY: help install demo speedrun test lint proto dashboards clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -31,6 +31,9 @@ lint: install  ## ruff, and the layer contracts (import-linter, pyproject.toml)
 
 proto: install  ## regenerate the gRPC stubs in core/v1 from proto/
 	$(PYTHON) -m bcstack.protogen
+
+dashboards: install  ## regenerate the chart's Grafana dashboards in charts/bcstack/dashboards
+	$(PYTHON) -m bcstack.dashboards
 
 clean:  ## remove build outputs and the install stamp
 	rm -rf .make build *.egg-info .pytest_cache .ruff_cache .hypothesis

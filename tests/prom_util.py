@@ -85,3 +85,31 @@ def metric_names(api: str) -> set[str]:
     body = httpx.get(api.replace("/query", "/label/__name__/values"), timeout=5).json()
     assert body["status"] == "success", body
     return set(body["data"])
+
+
+# Grafana's variables, as a dashboard query sees them, for parsing and running it outside Grafana.
+GRAFANA_VARIABLES = {"$__rate_interval": "20s", "$__range": "5m", "$namespace": ".*"}
+
+
+def dashboard_queries(board: dict) -> Iterator[tuple[str, str]]:
+    """(panel title, expr with Grafana's variables replaced) of every target of every panel."""
+    for panel in board["panels"]:
+        for target in panel.get("targets") or []:
+            expr = target["expr"]
+            for name, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(name, value)
+            yield panel["title"], expr
+
+
+def metric_names_in(expr: str) -> set[str]:
+    """Every metric name a PromQL expression selects (promql-parser's AST, not a regex)."""
+    import promql_parser
+
+    names: set[str] = set()
+
+    def visit(node: object) -> None:
+        if isinstance(node, promql_parser.VectorSelector) and node.name:
+            names.add(node.name)
+
+    promql_parser.walk(promql_parser.parse(expr), pre_visit=visit)
+    return names

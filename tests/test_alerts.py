@@ -89,7 +89,10 @@ def test_promtool_unit_tests_fire_every_alert(tmp_path):
     # Every alert the chart renders is expected to fire in some test, with its labels.
     tested = yaml.safe_load(ALERT_TESTS.read_text())["tests"]
     fired = {
-        case["alertname"] for test in tested for case in test["alert_rule_test"] if case.get("exp_alerts")
+        case["alertname"]
+        for test in tested
+        for case in test.get("alert_rule_test", [])
+        if case.get("exp_alerts")
     }
     assert fired == set(alerts_of(rule))
 

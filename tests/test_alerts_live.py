@@ -32,11 +32,14 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import wait_until
+from conftest import LOOPBACK, find_free_port, wait_until
 from helm_harness import chart_defaults, render_chart
-from prom_util import alerts, prometheus, query
+from prom_util import alerts, dashboard_queries, metric_names_in, prometheus, query
+from prometheus_client.parser import text_string_to_metric_families
 
+from bcstack import dashboards
 from bcstack.stack import down, read_state, up
+from trainer.sinks import RunSinks
 
 RELEASE = "bc"
 JOBS = {  # stack service -> the job its chart ServiceMonitor scrapes it as
@@ -47,6 +50,7 @@ JOBS = {  # stack service -> the job its chart ServiceMonitor scrapes it as
     "judge": f"{RELEASE}-bcstack-judge",
     "coordinator-llm": "coordinator-llm",  # outside the chart: the production coordinator LLM is external
 }
+TRAINER_JOB = f"default/{RELEASE}-bcstack-trainer"  # a PodMonitor's job: <namespace>/<name>
 WINDOW = "20s"
 
 
@@ -86,7 +90,7 @@ class Traffic:
                 q = rng.choice(self.questions)
                 with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
                     r = client.post(f"{self.gateway}/v1/episodes", json={"question": q["query"]})
-                    answer = (r.json().get("final_answer") or "") if r.status_code == 200 else ""
+                    answer = (r.json().get("answer") or "") if r.status_code == 200 else ""
                     client.post(
                         f"{self.judge}/v1/grade",
                         json={
@@ -179,13 +183,19 @@ def live(tmp_path_factory, toy_kit) -> Iterator[dict[str, Any]]:
         targets.setdefault(job, []).append(services[name]["http"].removeprefix("http://"))
     questions = [json.loads(line) for line in (kit / "world" / "questions.jsonl").read_text().splitlines()]
     prom_dir = tmp_path_factory.mktemp("prometheus")
+    # The trainer's /metrics as `bcstack train rl --metrics-port` serves it (no update logged: the
+    # run has just started), scraped as the chart's PodMonitor job.
+    trainer_port = find_free_port()
+    sinks = RunSinks(prom_dir / "train", set(), prometheus_port=trainer_port, prometheus_host=LOOPBACK)
+    targets[TRAINER_JOB] = [f"{LOOPBACK}:{trainer_port}"]
     try:
         with (
             prometheus(prom_dir, targets, [live_rules(prom_dir / "rules.yaml")]) as api,
             Traffic(services, questions) as traffic,
         ):
-            yield {"state": state, "services": services, "api": api, "traffic": traffic}
+            yield {"state": state, "services": services, "api": api, "traffic": traffic, "targets": targets}
     finally:
+        sinks.close()
         if read_state(state) is not None:
             down(state, say=lambda s: None)
 
@@ -196,7 +206,7 @@ def test_no_alert_fires_on_the_healthy_stack(live):
 
     def every_target_up() -> bool:
         ups = query(api, "up")
-        return len(ups) == len(JOBS) and all(s["value"][1] == "1" for s in ups)
+        return len(ups) == len(JOBS) + 1 and all(s["value"][1] == "1" for s in ups)
 
     wait_until(every_target_up, timeout=30, message="every target scraped")
     # The recording rules evaluate (a rate needs two scrapes of the counter inside the window).
@@ -261,3 +271,47 @@ def test_a_corrupt_checkpoint_reload_fires_reload_failed_then_resolves(live, tmp
 
 def live_kit_model(state: Path) -> Path:
     return Path(read_state(state)["assets"]["tiny"])
+
+
+def exported_names(target: str) -> set[str]:
+    """The metric names a target's /metrics exports, series or not yet (a labelled counter with no
+    children still has its HELP and TYPE lines)."""
+    text = httpx.get(f"http://{target}/metrics", timeout=10).text
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_count", "_sum", "_created"),
+        "summary": ("", "_count", "_sum", "_created"),
+        "info": ("_info",),
+    }
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def test_every_dashboard_metric_is_exported_and_every_query_runs(live):
+    """A renamed metric breaks this test, not a dashboard: every metric a panel names is exported by
+    a running service (or is a recording rule the Prometheus evaluates), and Prometheus runs every
+    panel's query; the overview's panels show data from the episodes running."""
+    api = live["api"]
+    exported = {"up"}
+    for addresses in live["targets"].values():
+        for target in addresses:
+            exported |= exported_names(target)
+    recorded = {r["name"] for g in _rule_groups(api) for r in g["rules"] if r["type"] == "recording"}
+    for uid in dashboards.DASHBOARDS:
+        board = json.loads((dashboards.OUT / f"{uid}.json").read_text())
+        for title, expr in dashboard_queries(board):
+            for metric in metric_names_in(expr):
+                assert metric in exported or metric in recorded, f"{uid} / {title}: {metric} is not exported"
+            answer = httpx.get(api, params={"query": expr}, timeout=10).json()
+            assert answer["status"] == "success", (uid, title, answer)
+            if uid == "bcstack-overview":
+                wait_until(lambda e=expr: query(api, e), timeout=30, message=f"data for {title}")
+
+
+def _rule_groups(api: str) -> list[dict]:
+    body = httpx.get(api.replace("/query", "/rules"), timeout=5).json()
+    assert body["status"] == "success", body
+    return body["data"]["groups"]
