@@ -191,6 +191,55 @@ def down(
     typer.echo(f"stack down: {n} service(s) stopped")
 
 
+@app.command("smoke")
+def smoke(
+    gateway: str = typer.Option(
+        None, "--gateway", metavar="URL", help="The coordinator gateway; one episode runs through it."
+    ),
+    metrics: list[str] = typer.Option(
+        [],
+        "--metrics",
+        metavar="NAME=URL",
+        help="A service whose /metrics to check (retrieval, worker, engine, coordinator, coordinator-llm, "
+        "judge, trainer); repeat for each.",
+    ),
+    state: Path = typer.Option(
+        None,
+        "--state",
+        metavar="DIR",
+        help="Read the gateway and every service from `bcstack up`'s stack.json.",
+    ),
+    question: str = typer.Option(None, "--question", help="The smoke episode's question."),
+    timeout: float = typer.Option(
+        300.0, "--timeout", help="Seconds to wait for the episode and each answer."
+    ),
+) -> None:
+    """Is a deployed stack answering? One episode through the gateway, then every service's /metrics.
+
+    Passes when the episode ends in a stored record whose status is not `error` and each /metrics
+    serves the service's own bcstack_* metrics; exit 1 otherwise. The chart's `helm test` runs it."""
+    from bcstack.smoke import DEFAULT_QUESTION, SmokeError, from_state, parse_targets, run_smoke
+    from core.kit.cli import fail
+
+    try:
+        targets = parse_targets(metrics)
+        if state is not None:
+            gateway_from_state, listed = from_state(state)
+            gateway = gateway or gateway_from_state
+            targets = {**listed, **targets}
+    except SmokeError as e:
+        fail(str(e))
+    if not gateway and not targets:
+        fail("nothing to check: give --gateway, --metrics NAME=URL or --state DIR")
+    checks = run_smoke(gateway, targets, question or DEFAULT_QUESTION, timeout)
+    for check in checks:
+        typer.echo(f"{'ok  ' if check.ok else 'FAIL'}  {check.name:24s} {check.detail}")
+    failed = [c for c in checks if not c.ok]
+    typer.echo(f"smoke: {len(checks) - len(failed)}/{len(checks)} checks passed")
+    if failed:
+        raise typer.Exit(1)
+
+
 records_app = typer.Typer(help="Episode record files of the coordinator gateway.", no_args_is_help=True)
 app.add_typer(records_app, name="records")
 

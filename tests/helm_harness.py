@@ -219,8 +219,13 @@ WORKLOAD_KINDS = {"Deployment", "StatefulSet", "Job"}
 
 
 def kinds(manifests: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """(kind, name) of every rendered object, sorted."""
-    return sorted((m["kind"], m["metadata"]["name"]) for m in manifests)
+    """(kind, name) of every object `helm install` creates, sorted: `helm test` hooks (the smoke
+    pod), which only `helm test` creates, are left out."""
+    return sorted(
+        (m["kind"], m["metadata"]["name"])
+        for m in manifests
+        if "test" not in (m["metadata"].get("annotations") or {}).get("helm.sh/hook", "").split(",")
+    )
 
 
 def pod_spec(manifests: Iterable[Mapping[str, Any]], name: str, kind: str = "Deployment") -> dict[str, Any]:

@@ -24,6 +24,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -315,3 +316,36 @@ def _rule_groups(api: str) -> list[dict]:
     body = httpx.get(api.replace("/query", "/rules"), timeout=5).json()
     assert body["status"] == "success", body
     return body["data"]["groups"]
+
+
+def test_the_helm_test_pod_command_passes_on_the_stack_and_fails_on_a_dead_service(live):
+    """The chart's `helm test` pod runs `bcstack smoke` with the release's Service URLs; here the same
+    arguments, with each Service URL swapped for the local service's, against the running stack."""
+    values = {c: {"enabled": True} for c in ("coordinator", "retrieval", "worker", "judge")}
+    pod = next(o for o in render_chart(values, release=RELEASE) if o["kind"] == "Pod")
+    (container,) = pod["spec"]["containers"]
+    services = live["services"]
+    ports = {"coordinator": 8003, "retrieval": 8001, "worker": 8002, "judge": 8005}  # the chart's defaults
+    local = {f"http://{JOBS[name]}:{port}": services[name]["http"] for name, port in ports.items()}
+
+    def localised(args: list[str]) -> list[str]:
+        out = []
+        for arg in args:
+            for cluster_url, url in local.items():
+                arg = arg.replace(cluster_url, url)
+            out.append(arg)
+        return out
+
+    args = localised(container["args"])
+    assert not [a for a in args if "bcstack-" in a], args  # every Service URL had a local service
+    smoke = [sys.executable, "-m", "bcstack", *container["command"][1:]]
+    done = subprocess.run([*smoke, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "smoke: 5/5 checks passed" in done.stdout
+    dead = [a.replace(services["judge"]["http"], f"http://{LOOPBACK}:{find_free_port()}") for a in args]
+    failed = subprocess.run([*smoke, *dead], capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 1 and "FAIL  judge /metrics" in failed.stdout, failed.stdout
+    whole = subprocess.run(
+        [*smoke, "--state", str(live["state"])], capture_output=True, text=True, timeout=300
+    )
+    assert whole.returncode == 0 and "smoke: 7/7 checks passed" in whole.stdout, whole.stdout + whole.stderr

@@ -38,7 +38,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "adminToken": {"create": True, "value": "s3cr3t-from-set"},
         "imagePullSecrets": [{"name": "regcred"}],
         "config": {"logLevel": "DEBUG", "extraEnv": {"HF_HUB_OFFLINE": "1"}},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        "metrics": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "prometheusRule": {"enabled": True},
+            "dashboards": {"enabled": True},
+        },
+        "networkPolicy": {"enabled": True},
         **{component: {"enabled": True} for component in COMPONENTS},
         "trainer": {"enabled": True, "records": {"existingClaim": "episode-records"}},
     },
@@ -79,7 +84,8 @@ spec:
 def _probe_pod(values: dict[str, Any] | None = None, release: str = "bc") -> dict[str, Any]:
     manifests = render_chart(values, release, extra_templates={"probe.yaml": POD_USING_HELPERS})
     validate_manifests(manifests)
-    return find(manifests, "Pod")
+    (probe,) = [m for m in manifests if m["kind"] == "Pod" and m["metadata"]["name"].endswith("-probe")]
+    return probe  # (the chart's own Pod is the `helm test` smoke pod)
 
 
 def _env(pod: dict[str, Any]) -> dict[str, Any]:
