@@ -1,11 +1,14 @@
 # syntax=docker/dockerfile:1
 #
-# The common runtime image of browsecomp-stack: the `bcstack` package and its dependencies on
-# CPU torch, run as uid 10001. Every CPU service (retrieval, coordinator gateway, judge proxy,
-# worker sidecar) runs from it as `bcstack serve <service>`; service images build FROM it or
-# copy /opt/venv out of its `build` stage.
+# The common runtime image of browsecomp-stack: the `bcstack` package with one extra of its
+# dependencies (pyproject.toml: all, or one service's), run as uid 10001. Each service image
+# builds FROM the variant with its own extra, so the coordinator and judge images carry no torch,
+# transformers, Locust or matplotlib:
 #
-#   docker build -f docker/bcstack.Dockerfile -t bcstack:0.1.0 .
+#   docker build -f docker/bcstack.Dockerfile -t ghcr.io/browsecomp-stack/bcstack:0.1.0 .   # all
+#   docker build -f docker/bcstack.Dockerfile --build-arg BCSTACK_EXTRA=coordinator \
+#     --build-arg WITH_TORCH=false -t ghcr.io/browsecomp-stack/bcstack:0.1.0-coordinator .
+#   (judge and worker: WITH_TORCH=false too; retrieval and trainer: the default true)
 #
 # GPU images (the SGLang worker servers, the trainer) install the CUDA build of the same torch
 # version (constraints.txt pins torch==2.13.0) from the CUDA wheel index instead of the CPU one.
@@ -23,6 +26,10 @@ FROM ${PYTHON_IMAGE} AS build
 
 # The CPU wheel index keeps pip from resolving torch to the multi-GB CUDA build.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The package extra this image carries, and whether that extra needs torch (installed first, from
+# the CPU index; an extra without it must not pull it in, which the install step checks).
+ARG BCSTACK_EXTRA=all
+ARG WITH_TORCH=true
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
@@ -33,7 +40,9 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # Dependencies first, so a source-only change reuses the torch layer.
 COPY constraints.txt ./
-RUN pip install -c constraints.txt --index-url "${TORCH_INDEX_URL}" torch
+RUN if [ "${WITH_TORCH}" = "true" ]; then \
+      pip install -c constraints.txt --index-url "${TORCH_INDEX_URL}" torch; \
+    fi
 
 COPY pyproject.toml README.md ./
 COPY core ./core
@@ -42,8 +51,11 @@ COPY bcstack ./bcstack
 COPY services ./services
 COPY trainer ./trainer
 # Not editable: the runtime stage gets the installed package, not /src.
-RUN pip install -c constraints.txt . \
-    && pip check
+RUN pip install -c constraints.txt ".[${BCSTACK_EXTRA}]" \
+    && pip check \
+    && if [ "${WITH_TORCH}" != "true" ] && pip show torch >/dev/null 2>&1; then \
+         echo "[${BCSTACK_EXTRA}] pulled in torch: build it with WITH_TORCH=true" >&2; exit 1; \
+       fi
 
 # --- runtime: the venv on a clean base, no build tools, non-root ----------------------------
 FROM ${PYTHON_IMAGE} AS runtime

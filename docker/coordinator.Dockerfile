@@ -6,7 +6,8 @@
 # endpoints) and dispatches branches to the worker services over gRPC. It runs no model itself.
 # Finished episodes go to a SQLite file under /data/records: mount a volume there to keep them.
 #
-#   docker build -f docker/bcstack.Dockerfile -t ghcr.io/browsecomp-stack/bcstack:0.1.0 .
+#   docker build -f docker/bcstack.Dockerfile --build-arg BCSTACK_EXTRA=coordinator \
+#     --build-arg WITH_TORCH=false -t ghcr.io/browsecomp-stack/bcstack:0.1.0-coordinator .
 #   docker build -f docker/coordinator.Dockerfile -t ghcr.io/browsecomp-stack/bcstack-coordinator:0.1.0 .
 #   docker run --rm --network host -v "$PWD/records:/data/records" \
 #     -v "$PWD/coordinator.yaml:/etc/bcstack/coordinator/config.yaml:ro" \
@@ -21,9 +22,10 @@
 # (BCSTACK_ADMIN_TOKEN) is passed at run time too. Under Kubernetes the chart sets command and args
 # itself and probes GET /health; Docker's HEALTHCHECK below is for `docker run`/compose.
 
-# The common image of the same release, pinned by version (a digest pins it harder:
+# The common image of the same release with the [coordinator] extra (docker/bcstack.Dockerfile
+# --build-arg BCSTACK_EXTRA=coordinator --build-arg WITH_TORCH=false), pinned by version (a digest pins it harder:
 # --build-arg BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack@sha256:...).
-ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0
+ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0-coordinator
 
 FROM ${BCSTACK_IMAGE}
 

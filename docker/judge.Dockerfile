@@ -6,7 +6,8 @@
 # OpenAI-compatible endpoint. It runs no model itself. Verdicts are cached in a SQLite file under
 # /data/cache: mount a volume there to keep them across restarts.
 #
-#   docker build -f docker/bcstack.Dockerfile -t ghcr.io/browsecomp-stack/bcstack:0.1.0 .
+#   docker build -f docker/bcstack.Dockerfile --build-arg BCSTACK_EXTRA=judge \
+#     --build-arg WITH_TORCH=false -t ghcr.io/browsecomp-stack/bcstack:0.1.0-judge .
 #   docker build -f docker/judge.Dockerfile -t ghcr.io/browsecomp-stack/bcstack-judge:0.1.0 .
 #   docker run --rm -p 8005:8005 -p 50055:50055 -v "$PWD/judge-cache:/data/cache" \
 #     -e BCSTACK_JUDGE_BACKEND=openai -e BCSTACK_JUDGE_GRADER_URL=http://grader:8000/v1 \
@@ -21,9 +22,10 @@
 # passed at run time too. Under Kubernetes the chart sets command and args itself and probes
 # GET /health; Docker's HEALTHCHECK below is for `docker run`/compose.
 
-# The common image of the same release, pinned by version (a digest pins it harder:
+# The common image of the same release with the [judge] extra (docker/bcstack.Dockerfile
+# --build-arg BCSTACK_EXTRA=judge --build-arg WITH_TORCH=false), pinned by version (a digest pins it harder:
 # --build-arg BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack@sha256:...).
-ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0
+ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0-judge
 
 FROM ${BCSTACK_IMAGE}
 

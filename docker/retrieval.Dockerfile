@@ -4,7 +4,8 @@
 # `bcstack` package, CPU torch, the offline all-MiniLM-L6-v2 embedder, bm25s, Qdrant Edge) set up
 # to run `bcstack serve retrieval` over an index directory at /data/index.
 #
-#   docker build -f docker/bcstack.Dockerfile -t ghcr.io/browsecomp-stack/bcstack:0.1.0 .
+#   docker build -f docker/bcstack.Dockerfile --build-arg BCSTACK_EXTRA=retrieval \
+#     --build-arg WITH_TORCH=true -t ghcr.io/browsecomp-stack/bcstack:0.1.0-retrieval .
 #   docker build -f docker/retrieval.Dockerfile -t ghcr.io/browsecomp-stack/bcstack-retrieval:0.1.0 .
 #   docker run --rm -p 8001:8001 -p 50051:50051 -v "$PWD/index:/data/index" \
 #     ghcr.io/browsecomp-stack/bcstack-retrieval:0.1.0
@@ -19,9 +20,10 @@
 # at run time, never baked in. Under Kubernetes (charts/bcstack) the Deployment sets command and
 # args itself and probes GET /health; Docker's HEALTHCHECK below is for `docker run`/compose.
 
-# The common image of the same release, pinned by version (a digest pins it harder:
+# The common image of the same release with the [retrieval] extra (docker/bcstack.Dockerfile
+# --build-arg BCSTACK_EXTRA=retrieval --build-arg WITH_TORCH=true), pinned by version (a digest pins it harder:
 # --build-arg BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack@sha256:...).
-ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0
+ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0-retrieval
 
 FROM ${BCSTACK_IMAGE}
 

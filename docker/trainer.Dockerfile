@@ -7,7 +7,8 @@
 # backend from what it finds. The CUDA libraries, NCCL among them, come as torch's own wheels, so
 # the base needs no CUDA toolkit; the node needs an NVIDIA driver for the CUDA version below.
 #
-#   docker build -f docker/bcstack.Dockerfile -t ghcr.io/browsecomp-stack/bcstack:0.1.0 .
+#   docker build -f docker/bcstack.Dockerfile --build-arg BCSTACK_EXTRA=trainer \
+#     --build-arg WITH_TORCH=true -t ghcr.io/browsecomp-stack/bcstack:0.1.0-trainer .
 #   docker build -f docker/trainer.Dockerfile -t ghcr.io/browsecomp-stack/bcstack-trainer:0.1.0 .
 #   docker run --rm --gpus all --shm-size 16g -v "$PWD/checkpoints:/checkpoints" -v "$PWD/records:/data/records" \
 #     ghcr.io/browsecomp-stack/bcstack-trainer:0.1.0 \
@@ -22,9 +23,10 @@
 # probe: none. The trainer is a batch Job, not a service: it serves no port, and Kubernetes judges
 # it by its exit status (torchrun exits non-zero when any rank fails), not by a probe.
 
-# The common image of the same release, pinned by version (a digest pins it harder:
+# The common image of the same release with the [trainer] extra (docker/bcstack.Dockerfile
+# --build-arg BCSTACK_EXTRA=trainer --build-arg WITH_TORCH=true), pinned by version (a digest pins it harder:
 # --build-arg BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack@sha256:...).
-ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0
+ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0-trainer
 
 FROM ${BCSTACK_IMAGE}
 

@@ -7,7 +7,8 @@
 # (BCSTACK_WORKER_ENGINE_URL, by default SGLang on the same pod/host at 127.0.0.1:30000). SGLang
 # runs from its own CUDA image (lmsysorg/sglang); charts/bcstack puts the two in one pod.
 #
-#   docker build -f docker/bcstack.Dockerfile -t ghcr.io/browsecomp-stack/bcstack:0.1.0 .
+#   docker build -f docker/bcstack.Dockerfile --build-arg BCSTACK_EXTRA=worker \
+#     --build-arg WITH_TORCH=false -t ghcr.io/browsecomp-stack/bcstack:0.1.0-worker .
 #   docker build -f docker/worker.Dockerfile -t ghcr.io/browsecomp-stack/bcstack-worker:0.1.0 .
 #   docker run --rm --network host -v "$PWD/checkpoints:/checkpoints:ro" \
 #     -e BCSTACK_WORKER_TOKENIZER=/checkpoints/qwen3-4b-worker-sft \
@@ -19,9 +20,10 @@
 # passed at run time, never baked in. Under Kubernetes the chart sets command and args itself and
 # probes GET /health; Docker's HEALTHCHECK below is for `docker run`/compose.
 
-# The common image of the same release, pinned by version (a digest pins it harder:
+# The common image of the same release with the [worker] extra (docker/bcstack.Dockerfile
+# --build-arg BCSTACK_EXTRA=worker --build-arg WITH_TORCH=false), pinned by version (a digest pins it harder:
 # --build-arg BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack@sha256:...).
-ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0
+ARG BCSTACK_IMAGE=ghcr.io/browsecomp-stack/bcstack:0.1.0-worker
 
 FROM ${BCSTACK_IMAGE}
 

@@ -34,7 +34,7 @@ fi
 
 # 3. The package itself (editable, so `bcstack` runs this checkout) with its dev extras.
 echo "install: browsecomp-stack and its dependencies"
-"${PIP[@]}" -e '.[dev]'
+"${PIP[@]}" -e '.[all,dev]'
 
 # 4. Guard: nothing may have replaced the CPU torch or pulled torchvision.
 "$PY" - <<'PY'

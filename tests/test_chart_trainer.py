@@ -852,7 +852,7 @@ def test_trainer_dockerfile_is_the_common_image_with_cuda_torch_under_torchrun()
     args = build_args(by_cmd)
     (base,) = by_cmd["FROM"]
     assert base.value[0] == "${BCSTACK_IMAGE}"
-    assert re.fullmatch(r"ghcr\.io/browsecomp-stack/bcstack:\d+\.\d+\.\d+", args["BCSTACK_IMAGE"])
+    assert re.fullmatch(r"ghcr\.io/browsecomp-stack/bcstack:\d+\.\d+\.\d+-trainer", args["BCSTACK_IMAGE"])
     assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d+", args["TORCH_INDEX_URL"])
     (run,) = by_cmd["RUN"]
     assert "pip uninstall --yes torch" in run.value[0]

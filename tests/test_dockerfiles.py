@@ -137,7 +137,8 @@ def assert_service_image(
     args = build_args(by_cmd)
     (base,) = by_cmd["FROM"]
     assert base.value[0] == "${BCSTACK_IMAGE}"
-    assert re.fullmatch(r"ghcr\.io/browsecomp-stack/bcstack:\d+\.\d+\.\d+", args["BCSTACK_IMAGE"])
+    # the common image built with this service's extra only (pyproject.toml; docker/bcstack.Dockerfile)
+    assert re.fullmatch(rf"ghcr\.io/browsecomp-stack/bcstack:\d+\.\d+\.\d+-{service}", args["BCSTACK_IMAGE"])
     assert by_cmd["USER"][-1].value[0] == "10001:10001"
     assert sorted(by_cmd["EXPOSE"][0].value) == sorted([str(http_port), str(grpc_port)])
     (entrypoint,) = by_cmd["ENTRYPOINT"]
@@ -165,7 +166,8 @@ def test_common_image() -> None:
     assert len(froms) >= 2, "multi-stage: a build stage and a runtime stage"
     assert all(_expand(f.value[0], args) == "python:3.11.7-slim-bookworm" for f in froms)
     runs = " ".join(c.value[0] for c in by_cmd["RUN"])
-    assert "pip install -c constraints.txt ." in runs
+    assert 'pip install -c constraints.txt ".[${BCSTACK_EXTRA}]"' in runs
+    assert (args["BCSTACK_EXTRA"], args["WITH_TORCH"]) == ("all", "true")  # the default: everything
     assert "--uid 10001" in runs
     final_start = froms[-1].start_line
     assert [u.value[0] for u in by_cmd["USER"] if u.start_line > final_start] == ["10001:10001"]

@@ -21,9 +21,8 @@ from conftest import find_free_port, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.v1 import retrieval_pb2, retrieval_pb2_grpc
-from devkit.toyworld.generator import generate_world, write_world
 
-N_DOCS = 2000
+N_DOCS = 500  # the session's toy kit (conftest.toy_kit): its world and index are shared
 
 
 def _bcstack(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -31,18 +30,15 @@ def _bcstack(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def world_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("world") / "w"
-    write_world(generate_world(N_DOCS, 0), out)
-    return out
+def world_dir(toy_kit):
+    return toy_kit["dir"] / "world"
 
 
 @pytest.fixture(scope="module")
-def index_dir(world_dir, tmp_path_factory):
-    index = tmp_path_factory.mktemp("index") / "idx"
-    result = _bcstack("index", "--corpus", str(world_dir / "corpus.jsonl"), "--index-dir", str(index))
-    assert result.returncode == 0, result.stderr
-    assert f"{N_DOCS:,} documents" in result.stderr
+def index_dir(toy_kit):
+    """The kit's index, built by `bcstack index` (read-only here: the rerun below is a no-op)."""
+    index = toy_kit["dir"] / "idx"
+    assert json.loads((index / "manifest.json").read_text())["complete"] is True
     return index
 
 
@@ -223,7 +219,7 @@ def test_metrics_count_searches_per_stage(service):
 
 
 def test_recall_at_10_hybrid_at_least_the_better_retriever(service, world_dir):
-    """Recall@10 over the 150 toy test questions, per mode: of the gold documents (the issue's
+    """Recall@10 over the toy test questions, per mode: of the gold documents (the issue's
     measure; on medium and hard questions the gold page is hops away from the question's words)
     and of all evidence documents."""
     questions = _questions(world_dir)
@@ -260,7 +256,7 @@ def test_index_rerun_is_a_no_op(index_dir, world_dir):
 
 
 def test_killed_ingest_resumes_without_duplicates(world_dir, tmp_path):
-    n = 700  # a slice of the toy corpus keeps the two ingests short
+    n = 400  # a slice of the toy corpus keeps the two ingests short
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join((world_dir / "corpus.jsonl").read_text().splitlines(keepends=True)[:n]))
     index = tmp_path / "idx"
