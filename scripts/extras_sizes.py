@@ -28,7 +28,11 @@ IMPORTS = {
     "coordinator": ["services.coordinator.service", "services.coordinator_llm.service"],
     "judge": ["services.judge.service"],
     "worker": ["services.worker.service"],
-    "retrieval": ["services.retrieval.service", "services.retrieval.index", "services.retrieval.onnx_embedder"],
+    "retrieval": [
+        "services.retrieval.service",
+        "services.retrieval.index",
+        "services.retrieval.onnx_embedder",
+    ],
     "engine": ["services.engine.service"],
     "loadtest": ["services.retrieval.loadtest_locust"],
     "eval": ["bcstack.evaluation.runner", "bcstack.evaluation.report"],
