@@ -12,7 +12,7 @@ resolved once the fault is removed:
 Prometheus scrapes each service under the job name the chart's ServiceMonitors give it
 (<release>-bcstack-<component>: the engine under the worker's, as the worker ServiceMonitor
 scrapes both containers), so these are the rules a cluster runs. Only the timings are the test's:
-a 20 s window, no `for:` holds, a 3 s breaker reset, scraped and evaluated every second.
+a 10 s window, no `for:` holds, a 3 s breaker reset, scraped and evaluated every second.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ JOBS = {  # stack service -> the job its chart ServiceMonitor scrapes it as
     "coordinator-llm": "coordinator-llm",  # outside the chart: the production coordinator LLM is external
 }
 TRAINER_JOB = f"default/{RELEASE}-bcstack-trainer"  # a PodMonitor's job: <namespace>/<name>
-WINDOW = "20s"
+WINDOW = "10s"
 
 
 def live_rules(path: Path) -> Path:
-    """The chart's rules with the test's timings: every alert at once (`for: 0s`), a 20 s window."""
+    """The chart's rules with the test's timings: every alert at once (`for: 0s`), a 10 s window."""
     alerts_values = {name: {"for": "0s"} for name in chart_defaults("metrics")["prometheusRule"]["alerts"]}
     alerts_values["turnsSlow"]["baseline"] = "2m"
     values = {"metrics": {"prometheusRule": {"enabled": True, "window": WINDOW, "alerts": alerts_values}}}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -72,14 +73,23 @@ def size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 1e6
 
 
+@pytest.fixture(scope="module")
+def venvs(tmp_path_factory) -> dict[str, Path]:
+    """One fresh venv per extra, installed side by side (pip waits on downloads as much as on the CPU)."""
+    root = tmp_path_factory.mktemp("extras")
+    with ThreadPoolExecutor(len(EXTRAS)) as pool:
+        built = {extra: pool.submit(venv_with, extra, root / extra) for extra in EXTRAS}
+        return {extra: future.result() for extra, future in built.items()}
+
+
 @pytest.mark.parametrize("extra", list(EXTRAS))
-def test_an_extra_installs_alone_and_its_services_serve(extra, tmp_path):
+def test_an_extra_installs_alone_and_its_services_serve(extra, venvs, tmp_path):
     forbidden, services = EXTRAS[extra]
-    bin_dir = venv_with(extra, tmp_path / "venv")
+    bin_dir = venvs[extra]
     dists = installed(bin_dir)
     assert "browsecomp-stack" in dists
     assert not dists & forbidden, f"[{extra}] pulls in {sorted(dists & forbidden)}"
-    print(f"[{extra}]: {len(dists)} distributions, {size_mb(tmp_path / 'venv'):.0f} MB")
+    print(f"[{extra}]: {len(dists)} distributions, {size_mb(bin_dir.parent):.0f} MB")
     for service in services:
         python = [str(bin_dir / "python"), "-c", f"import {MODULES[service]}"]
         # run from tmp_path, so the import finds the installed package, not this checkout
