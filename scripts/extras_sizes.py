@@ -50,13 +50,27 @@ def tree_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 1e6
 
 
-def measure(extra: str, root: Path) -> dict:
+def build_wheel(root: Path) -> Path:
+    """The package as a wheel, built from a copy of the sources (so no build/ is left in the checkout)."""
+    src = root / "src"
+    src.mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for package in ("core", "devkit", "bcstack", "services", "trainer"):
+        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(root), str(src)], check=True
+    )
+    return next(root.glob("browsecomp_stack-*.whl"))
+
+
+def measure(extra: str, root: Path, wheel: Path) -> dict:
     venv = root / extra
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     started = time.monotonic()
     subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-         "-c", str(REPO / "constraints.txt"), f"{REPO}[{extra}]"],
+         "-c", str(REPO / "constraints.txt"), f"{wheel}[{extra}]"],
         check=True,
     )  # fmt: skip
     seconds = time.monotonic() - started
@@ -88,9 +102,10 @@ def main() -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="bcstack-extras-"))
     rows = []
     try:
+        wheel = build_wheel(root / "wheel")
         for extra in args.extras.split(","):
             print(f"installing [{extra}] ...", file=sys.stderr, flush=True)
-            rows.append(measure(extra.strip(), root))
+            rows.append(measure(extra.strip(), root, wheel))
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
