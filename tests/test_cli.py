@@ -73,6 +73,34 @@ def test_a_tp_size_the_job_cannot_hold_is_one_error_line(tmp_path: Path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "error: nothing to check: give --gateway, --metrics NAME=URL or --state DIR"),
+        (["--metrics", "judge"], "error: --metrics 'judge': give NAME=http://HOST:PORT"),
+        (
+            ["--metrics", "grader=http://h:1"],
+            "error: --metrics 'grader=http://h:1': unknown service 'grader'",
+        ),
+        (["--state", "no-such-state"], "error: no running stack described at no-such-state/stack.json"),
+    ],
+)
+def test_smoke_refuses_what_it_cannot_check_in_one_line(args, says, tmp_path: Path):
+    result = subprocess.run(
+        [sys.executable, "-m", "bcstack", "smoke", *args], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(says), line
+
+
+def test_smoke_fails_with_exit_1_when_a_service_is_down(free_port):
+    result = _bcstack("smoke", "--metrics", f"judge=http://127.0.0.1:{free_port}", "--timeout", "5")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0].startswith("FAIL  judge /metrics")
+    assert result.stdout.splitlines()[-1] == "smoke: 0/1 checks passed"
+
+
 def test_demo_help_says_what_it_does():
     # The demo itself (about 4 minutes) runs in `make demo`; its parts are tested in test_eval_stack.py.
     result = subprocess.run(
