@@ -109,7 +109,14 @@ def metrics_check(client: httpx.Client, name: str, url: str) -> Check:
         families = [f.name for f in text_string_to_metric_families(r.text)]
     except ValueError as e:
         return Check(f"{name} /metrics", False, f"{url}/metrics is not the Prometheus text format: {e}")
-    own = [f for f in families if f.startswith(PREFIXES[name])]
+
+    # The longest prefix that matches names the family's service (bcstack_coordinator_llm_* is not
+    # the gateway's).
+    def owner(family: str) -> str | None:
+        matching = [n for n, prefix in PREFIXES.items() if family.startswith(prefix)]
+        return max(matching, key=lambda n: len(PREFIXES[n])) if matching else None
+
+    own = [f for f in families if owner(f) == name]
     if not own:
         return Check(f"{name} /metrics", False, f"{url}/metrics has no {PREFIXES[name]}* metrics")
     return Check(f"{name} /metrics", True, f"{len(own)} {PREFIXES[name]}* families")

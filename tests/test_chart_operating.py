@@ -142,10 +142,16 @@ def test_network_policies_let_only_the_right_callers_through(rendered):
     # retrieval: from the workers and the ingest Job
     assert can("worker", "retrieval", "grpc") and can("retrieval-ingest", "retrieval", "http")
     assert not can("coordinator", "retrieval", "grpc") and not can(client, "retrieval", "http")
-    # judge: from the gateway, the trainer and the evaluation namespace
-    assert can("coordinator", "judge", "http") and can("trainer", "judge", "grpc")
-    assert can(client, "judge", "http", eval_ns)
-    assert not can("worker", "judge", "http") and not can(client, "judge", "http", elsewhere)
+    # judge: from the trainer and the evaluation namespace (the gateway never calls it)
+    assert can("trainer", "judge", "grpc") and can(client, "judge", "http", eval_ns)
+    assert not can("coordinator", "judge", "http") and not can("worker", "judge", "http")
+    assert not can(client, "judge", "http", elsewhere)
+    # the trainer's pods reach each other on any port (torchrun's rendezvous, collectives)
+    assert can("trainer", "trainer", "metrics") and not can("worker", "trainer", "metrics")
+    # the `helm test` pod reaches every HTTP port it smoke-tests, and no gRPC one
+    for dest in ("coordinator", "worker", "retrieval", "judge"):
+        assert can("smoke-test", dest, "http"), dest
+    assert not can("smoke-test", "worker", "grpc") and not can("smoke-test", "retrieval", "grpc")
     # the internal backends: from retrieval and ingest only
     for backend in ("elasticsearch", "qdrant"):
         assert can("retrieval", backend, "http") and can("retrieval-ingest", backend, "http")
@@ -157,6 +163,66 @@ def test_network_policies_let_only_the_right_callers_through(rendered):
     ]:  # fmt: skip
         assert can(client, dest, port, monitoring), (dest, port)
     assert not can(client, "worker", "grpc", monitoring) and not can(client, "retrieval", "grpc", monitoring)
+
+
+def test_a_restricted_gateway_still_lets_the_charts_own_callers_in():
+    clients = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "clients"}}}]
+    rendered = render_chart(
+        {**EVERYTHING, "networkPolicy": {**EVERYTHING["networkPolicy"], "gatewayFrom": clients}}
+    )
+    policies = [m for m in rendered if m["kind"] == "NetworkPolicy"]
+    pods = workloads(rendered)
+    gateway = pods["coordinator"]
+    port = container_port(gateway[1], "http")
+    ns = {"kubernetes.io/metadata.name": RELEASE_NS}
+
+    def can(src_labels: dict, src_ns: dict) -> bool:
+        return allowed(policies, gateway, port, src_labels, src_ns, src_ns == ns)
+
+    assert can({"app": "x"}, {"kubernetes.io/metadata.name": "clients"})
+    assert not can({"app": "x"}, {"kubernetes.io/metadata.name": "apps"})
+    assert can(pods["trainer"][0], ns) and can(pods["smoke-test"][0], ns)  # rl rollouts, helm test
+    assert can({"app": "eval"}, {"kubernetes.io/metadata.name": "eval"})  # bcstack eval run
+    assert not can(pods["worker"][0], ns)
+
+
+LONG_RELEASE = "a-very-long-release-name-for-prod-cluster-x"
+
+
+def test_long_release_names_keep_alerts_and_the_smoke_pod_on_the_real_services():
+    """Some components cut their names shorter than others (StatefulSets leave room for pod
+    hashes): the TargetDown jobs and the smoke pod's hosts must be the Services' own names."""
+    values = {
+        **EVERYTHING,
+        "metrics": {"prometheusRule": {"enabled": True}, "serviceMonitor": {"enabled": True}},
+    }
+    rendered = render_chart(values, release=LONG_RELEASE)
+    services = {m["metadata"]["name"] for m in rendered if m["kind"] == "Service"}
+    rule = next(m for m in rendered if m["kind"] == "PrometheusRule")
+    expr = next(
+        r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if r.get("alert") == "BcstackTargetDown"
+    )
+    jobs = set(expr.split('job=~"', 1)[1].split('"', 1)[0].split("|"))
+    trainer_monitor = next(m for m in rendered if m["kind"] == "PodMonitor")
+    assert jobs - services == {f"default/{trainer_monitor['metadata']['name']}"}
+    assert len(jobs & services) == 4
+    pod = next(m for m in rendered if m["kind"] == "Pod")
+    hosts = {
+        a.rsplit("http://", 1)[1].split(":")[0]
+        for a in pod["spec"]["containers"][0]["args"]
+        if "http://" in a
+    }
+    assert hosts <= services and len(hosts) == 4
+
+
+def test_the_smoke_question_is_one_argument_whatever_it_says():
+    question = "Who wrote it: the author? #1"
+    rendered = render_chart(
+        {**EVERYTHING, "smokeTest": {"enabled": True, "timeoutSeconds": 60, "question": question}}
+    )
+    validate_manifests(rendered)
+    args = next(m for m in rendered if m["kind"] == "Pod")["spec"]["containers"][0]["args"]
+    assert f"--question={question}" in args
 
 
 def test_network_policies_are_off_by_default():
