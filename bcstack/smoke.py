@@ -14,7 +14,6 @@ check is one line.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,16 +62,26 @@ def parse_targets(items: list[str]) -> dict[str, str]:
 
 def from_state(state: Path) -> tuple[str, dict[str, str]]:
     """The gateway URL and every service's URL from `bcstack up`'s stack.json."""
-    path = state / "stack.json"
+    from bcstack.stack import STATE_FILE, StackError, read_state
+
+    path = state / STATE_FILE
     try:
-        services = json.loads(path.read_text())["services"]
-    except (OSError, ValueError, KeyError) as e:
-        raise SmokeError(
-            f"no running stack described at {path} ({e}); run `bcstack up --state {state}`"
-        ) from None
+        info = read_state(state)
+    except StackError as e:
+        raise SmokeError(str(e)) from None
+    if info is None or not isinstance(info.get("services"), dict):
+        raise SmokeError(f"no running stack described at {path}; run `bcstack up --state {state}`")
+    services = info["services"]
     if "coordinator" not in services:
         raise SmokeError(f"{path} lists no coordinator gateway")
     return services["coordinator"]["http"], {n: s["http"] for n, s in services.items() if n in PREFIXES}
+
+
+def _owner(family: str) -> str | None:
+    """The service a metric family belongs to: the longest prefix that matches
+    (bcstack_coordinator_llm_* is the stand-in LLM's, not the gateway's)."""
+    matching = [n for n, prefix in PREFIXES.items() if family.startswith(prefix)]
+    return max(matching, key=lambda n: len(PREFIXES[n])) if matching else None
 
 
 def episode_check(client: httpx.Client, gateway: str, question: str) -> Check:
@@ -110,13 +119,7 @@ def metrics_check(client: httpx.Client, name: str, url: str) -> Check:
     except ValueError as e:
         return Check(f"{name} /metrics", False, f"{url}/metrics is not the Prometheus text format: {e}")
 
-    # The longest prefix that matches names the family's service (bcstack_coordinator_llm_* is not
-    # the gateway's).
-    def owner(family: str) -> str | None:
-        matching = [n for n, prefix in PREFIXES.items() if family.startswith(prefix)]
-        return max(matching, key=lambda n: len(PREFIXES[n])) if matching else None
-
-    own = [f for f in families if owner(f) == name]
+    own = [f for f in families if _owner(f) == name]
     if not own:
         return Check(f"{name} /metrics", False, f"{url}/metrics has no {PREFIXES[name]}* metrics")
     return Check(f"{name} /metrics", True, f"{len(own)} {PREFIXES[name]}* families")

@@ -162,22 +162,10 @@ def live(tmp_path_factory, toy_kit) -> Iterator[dict[str, Any]]:
     kit = toy_kit["dir"]
     # The gateway lets a trial call through an open breaker after 3 s, not 30, so the breaker alert
     # resolves within the test; every service reads its settings from the environment.
-    saved = os.environ.get("BCSTACK_COORDINATOR_BREAKER_RESET_SECONDS")
-    os.environ["BCSTACK_COORDINATOR_BREAKER_RESET_SECONDS"] = "3"
-    try:
-        info = up(
-            state,
-            worker="expert",
-            world=kit / "world",
-            kit=kit / "tiny",
-            index=kit / "idx",
-            say=lambda s: None,
-        )
-    finally:
-        if saved is None:
-            os.environ.pop("BCSTACK_COORDINATOR_BREAKER_RESET_SECONDS")
-        else:
-            os.environ["BCSTACK_COORDINATOR_BREAKER_RESET_SECONDS"] = saved
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("BCSTACK_COORDINATOR_BREAKER_RESET_SECONDS", "3")
+        assets = {"world": kit / "world", "kit": kit / "tiny", "index": kit / "idx"}
+        info = up(state, worker="expert", **assets, say=lambda s: None)
     services = info["services"]
     targets: dict[str, list[str]] = {}
     for name, job in JOBS.items():
