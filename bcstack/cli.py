@@ -133,6 +133,14 @@ def up(
         metavar="FILE",
         help="The gateway's episode record file; default: STATE/records.sqlite.",
     ),
+    replicas: int = typer.Option(
+        1,
+        "--replicas",
+        min=1,
+        help="Worker replicas, each an engine and a worker sidecar (engine-2/worker-2, ... in stack.json); "
+        "the gateway sends each episode to the least busy. The CPU engine runs on one core: on a machine "
+        "with N cores, N replicas generate up to N times as fast.",
+    ),
 ) -> None:
     """Start the whole stack on embedded defaults as local processes; build what is missing first.
 
@@ -161,6 +169,7 @@ def up(
             worker_settings=parse_settings("--worker-setting", worker_setting),
             engine_settings=parse_settings("--engine-setting", engine_setting),
             records=records,
+            replicas=replicas,
         )
     except StackError as e:
         fail(str(e))

@@ -4,12 +4,13 @@ Every stage runs through the live stack (`bcstack up`: retrieval, engine, worker
 LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
 
 1. world    one toy world with a test split (50 questions per tier, the demo's) and a large train split
-            (`--train-easy` plus medium and hard) whose questions read no page a test question reads;
-            the tiny kit (its tokenizer is trained on the fixed toy text, so it serves any world, and
-            keeps a year whole, `--number-digits`; the model is bigger than the demo's:
-            `--hidden-size`, `--layers`); a lexical-only index
-            (`--dense none`: the dense embedder is ~55 ms per document here);
-2. collect  the scripted expert answers every train question through the stack (`expert-snippets`:
+            (`--train-easy` plus medium and hard) whose questions read no page a test question reads,
+            and `--rl-easy` more easy questions kept for RL alone (SFT never sees them); the tiny kit
+            (its tokenizer is trained on the fixed toy text, so it serves any world, and keeps a year
+            whole, `--number-digits`; the model is bigger than the demo's: `--hidden-size`,
+            `--layers`); a lexical-only index (`--dense none`: the dense embedder is ~55 ms per
+            document here);
+2. collect  the scripted expert answers every SFT train question through the stack (`expert-snippets`:
             it takes a fact from a search snippet when the snippet states it, and writes names as it
             read them, so what it does can be learnt by copying); the records are
             exported (JSONL, not a copy of the live SQLite file) and become SFT samples with their
@@ -23,9 +24,9 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
 5. eval     the untrained model and the SFT model on the 150 held-out test questions through the stack,
             under one worker budget sized from the expert's trajectories (`--budget-factor` x the longest);
             the SFT (and RL) model for `--eval-rounds` rounds per question, the untrained one for one;
-6. rl       `bcstack train rl` from the SFT model on the train questions of `--rl-tiers`, the workers
-            hot-reloaded after each update, for the minutes left (`--rl-minutes`); then the RL model is
-            evaluated the same way;
+6. rl       `bcstack train rl` from the SFT model on the `--rl-easy` questions (and the train questions
+            of any other tier in `--rl-tiers`), the workers hot-reloaded after each update, for
+            `--rl-minutes`; then the RL model is evaluated the same way;
 7. report   one table in seed 001's shape with three rows (untrained, SFT, SFT + RL), Wilson intervals,
             the paired comparisons (SFT vs untrained, RL vs SFT: improved/regressed, Δ pp with Newcombe's
             paired interval, exact McNemar p over (question, round) pairs, and with several rounds the
@@ -33,7 +34,9 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
             PNG and `.bcstack-speedrun/report.json`.
 
 The observation sizes (snippet words, hits shown, page words) are worker settings (`--worker-setting`
-of `bcstack up`), stated in the output; no code path is special to the speedrun.
+of `bcstack up`), stated in the output; no code path is special to the speedrun. Every stack runs
+`--replicas` worker replicas (one per core by default): the CPU engine decodes on one core, and the
+gateway spreads episodes over the replicas.
 
     python -m bcstack.speedrun [--state .bcstack-speedrun] [--train-easy 2000] [--rl-minutes 8]
 """
@@ -110,12 +113,44 @@ def _run(args: list[str]) -> None:
         raise StackError(f"`bcstack {' '.join(args[:3])} …` failed (exit {result.returncode}); see above")
 
 
-def _stack(state: Path, worker: str, world: Path, kit: Path, index: Path, settings: dict[str, str]) -> dict:
+def _stack(
+    state: Path, worker: str, world: Path, kit: Path, index: Path, settings: dict[str, str], replicas: int = 1
+) -> dict:
     if read_state(state) is not None:
         down(state, say=lambda s: None)
     return up(
-        state, worker=worker, world=world, kit=kit, index=index, worker_settings=settings, say=lambda s: None
-    )
+        state, worker=worker, world=world, kit=kit, index=index, worker_settings=settings, replicas=replicas,
+        say=lambda s: None,
+    )  # fmt: skip
+
+
+def split_train(world: Path, rl_easy: int, rl_tiers: set[str], seed: int) -> tuple[list[dict], list[dict]]:
+    """The world's train split as (SFT questions, RL questions).
+
+    `rl_easy` easy questions, a seeded sample, are kept for RL alone: the expert never answers them and
+    SFT never sees them, so RL's groups are questions as new to the SFT model as the held-out ones (on
+    the questions SFT trained on, nearly every group is all correct and carries no signal). RL also
+    asks the SFT questions of the other tiers in `rl_tiers`.
+    """
+    import random
+
+    rows = [json.loads(line) for line in (world / "train.jsonl").read_text().splitlines() if line]
+    easy = [i for i, r in enumerate(rows) if tier_of(r["data_source"]) == "easy"]
+    if rl_easy > len(easy):
+        raise StackError(f"--rl-easy {rl_easy} is more than the world's {len(easy)} easy train questions")
+    held = set(random.Random(f"rl-easy:{seed}").sample(easy, rl_easy)) if "easy" in rl_tiers else set()
+    sft = [r for i, r in enumerate(rows) if i not in held]
+    rl = [r for i, r in enumerate(rows) if i in held or (tier_of(r["data_source"]) in rl_tiers - {"easy"})]
+    if "easy" in rl_tiers and not rl_easy:
+        rl += [rows[i] for i in easy]  # no held-back pool: RL on the easy questions SFT trained on
+    return sft, rl
+
+
+def default_replicas() -> int:
+    """One worker replica per core the process may use (the CPU engine decodes on one), at most 4."""
+    import os
+
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def _urls(info: dict) -> dict[str, str]:
@@ -133,7 +168,7 @@ def build_assets(state: Path, args: argparse.Namespace) -> dict[str, Path]:
             args.docs,
             args.seed,
             questions_per_tier=args.questions_per_tier,
-            train_easy=args.train_easy,
+            train_easy=args.train_easy + args.rl_easy,
             train_medium=args.train_medium,
             train_hard=args.train_hard,
         )
@@ -266,9 +301,12 @@ def plot(summary: dict, rl_metrics: list[dict], path: Path) -> None:
     ax.set_ylabel("held-out accuracy (%)")
     ax.set_title("Held-out test split, Wilson 95% intervals")
     ax.legend(loc="upper left", fontsize=8)
-    updates = [m["update"] for m in rl_metrics if m.get("reward_mean") is not None]
-    bx.plot(updates, [m["reward_mean"] for m in rl_metrics if m.get("reward_mean") is not None], "o-",
-            label="rollout reward (train questions)")  # fmt: skip
+    # The policy's success rate on its rollouts: every sampled group's (dynamic sampling trains only
+    # the groups with unequal rewards, whose mean is pulled towards 0.5).
+    rewards = [(m["update"], m.get("sampled_reward_mean", m.get("reward_mean"))) for m in rl_metrics]
+    rewards = [(u, r) for u, r in rewards if r is not None]
+    bx.plot([u for u, _ in rewards], [r for _, r in rewards], "o-",
+            label="rollout reward (RL train questions)")  # fmt: skip
     evals = [m for m in rl_metrics if m.get("eval_accuracy") is not None]
     if evals:
         bx.errorbar(
@@ -295,10 +333,23 @@ def main(argv: list[str] | None = None) -> int:
     add = parser.add_argument
     add("--state", type=Path, default=Path(".bcstack-speedrun"), help="working folder (kept; resumable)")
     add("--fresh", action="store_true", help="remove the state folder first")
-    add("--docs", type=int, default=10_000, help="toy world documents")
+    add("--docs", type=int, default=12_000, help="toy world documents")
     add("--seed", type=int, default=0, help="world and model seed")
     add("--questions-per-tier", type=int, default=50, help="held-out test questions per tier")
-    add("--train-easy", type=int, default=2000, help="easy train questions")
+    add("--train-easy", type=int, default=2000, help="easy train questions for the expert and SFT")
+    add(
+        "--rl-easy",
+        type=int,
+        default=500,
+        help="more easy train questions, kept for RL alone: SFT never sees them (0: RL on SFT's questions)",
+    )
+    add(
+        "--replicas",
+        type=int,
+        default=default_replicas(),
+        help="worker replicas (engine + worker) of every stack; the CPU engine decodes on one core, so one "
+        "per core (default: this machine's cores, at most 4)",
+    )
     add("--train-medium", type=int, default=200, help="medium train questions")
     add("--train-hard", type=int, default=50, help="hard train questions")
     add("--hidden-size", type=int, default=128, help="tiny model width")
@@ -319,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     add("--budget-factor", type=float, default=1.25, help="tiny worker budget: x the longest expert run")
     add("--rl-minutes", type=float, default=8.0, help="wall minutes for RL updates")
     add("--rl-lr", type=float, default=5e-5, help="RL LR (seed 000: 1e-6, for 4B; SFT here ends at 1e-4)")
+    add("--rl-steps-per-update", type=int, default=1,
+        help="optimizer steps per RL update, one per mini-batch of whole groups "
+        "(train rl --steps-per-update)")  # fmt: skip
+    add("--rl-vector-lr-scale", type=float, default=1.0,
+        help="LR multiplier of the 1-D parameters, norm gains (train rl --vector-lr-scale)")  # fmt: skip
     add("--rl-groups", type=int, default=8, help="question groups per RL update")
     add("--rl-group-size", type=int, default=8, help="episodes per group")
     add(
@@ -363,18 +419,26 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(OBSERVATION_SETTINGS)
     print("Worker observation settings (all of them worker settings): "
           + ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)  # fmt: skip
+    print(f"Every stack runs {args.replicas} worker replicas (engine + worker; the CPU engine decodes on one "
+          "core)", flush=True)  # fmt: skip
     try:
         tl.stage("world", "toy world, tiny kit, lexical-only index")
         assets = build_assets(state, args)
         world, kit, index = assets["world"], assets["kit"], assets["index"]
-        train_questions = load_questions(world / "train.jsonl")
         test_questions = load_questions(world / "questions.jsonl")
-        print(f"   {len(train_questions)} train questions, {len(test_questions)} held-out test questions")
+        sft_rows, rl_rows = split_train(world, args.rl_easy, rl_tiers, args.seed)
+        sft_questions, rl_questions = state / "sft-questions.jsonl", state / "rl-questions.jsonl"
+        for path, rows in ((sft_questions, sft_rows), (rl_questions, rl_rows)):
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        train_questions = load_questions(sft_questions)
+        print(f"   {len(train_questions)} train questions for the expert and SFT, {len(rl_rows)} for RL "
+              f"({args.rl_easy} easy ones SFT never sees), "
+              f"{len(test_questions)} held-out test questions")  # fmt: skip
 
         records = state / "expert-records.jsonl"
         if not records.is_file():
             tl.stage("collect", f"the scripted expert on all {len(train_questions)} train questions")
-            info = _stack(state / "stack", "expert-snippets", world, kit, index, settings)
+            info = _stack(state / "stack", "expert-snippets", world, kit, index, settings, args.replicas)
             evaluate(
                 "expert", _urls(info), train_questions, state / "eval-expert-train", {}, args.concurrency
             )
@@ -442,20 +506,12 @@ def main(argv: list[str] | None = None) -> int:
         evals = {"untrained": state / "eval-untrained", "sft": state / "eval-sft", "rl": state / "eval-rl"}
         if not _evaluated(evals["untrained"], len(test_questions)):
             tl.stage("eval untrained", f"the untrained model on {len(test_questions)} held-out questions")
-            info = _stack(state / "stack", str(kit), world, kit, index, settings)
+            info = _stack(state / "stack", str(kit), world, kit, index, settings, args.replicas)
             evaluate("untrained", _urls(info), test_questions, evals["untrained"], budget, args.concurrency)
         tl.stage("eval sft", f"the SFT model on {len(test_questions)} held-out questions")
-        info = _stack(state / "stack", str(sft_model), world, kit, index, settings)
+        info = _stack(state / "stack", str(sft_model), world, kit, index, settings, args.replicas)
         evaluate("sft", _urls(info), test_questions, evals["sft"], budget, args.concurrency, args.eval_rounds)
 
-        # RL asks the train questions of --rl-tiers: by default easy and medium, the ones a tiny model
-        # can get right now and then (a group of questions it never answers has zero reward variance
-        # and no gradient).
-        rl_questions = state / "rl-questions.jsonl"
-        rows = [json.loads(line) for line in (world / "train.jsonl").read_text().splitlines() if line]
-        rl_questions.write_text(
-            "".join(json.dumps(r) + "\n" for r in rows if tier_of(r["data_source"]) in rl_tiers)
-        )
         tl.stage("rl", f"bcstack train rl from the SFT model for {args.rl_minutes:g} minutes")
         rl_out = state / "stack" / "train" / "rl"
         from trainer.sinks import read_metrics
@@ -474,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--updates", "1000", "--max-minutes", f"{minutes_left:.4g}",
                 "--groups", str(args.rl_groups), "--group-size", str(args.rl_group_size),
                 "--max-policy-lag", str(args.rl_max_policy_lag), "--lr", str(args.rl_lr),
+                "--steps-per-update", str(args.rl_steps_per_update),
+                "--vector-lr-scale", str(args.rl_vector_lr_scale),
                 *(["--dynamic-sampling"] if args.rl_dynamic_sampling else []),
                 "--negative-advantage-scale", str(args.rl_negative_advantage_scale),
                 "--micro-batch-tokens", str(max(micro_batch, budget["max_tokens"])),
@@ -491,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         tl.stage(
             "eval rl", f"the RL model (update {updates}, {rl_model.name}) on {len(test_questions)} questions"
         )
-        info = _stack(state / "stack", str(rl_model), world, kit, index, settings)
+        info = _stack(state / "stack", str(rl_model), world, kit, index, settings, args.replicas)
         evaluate("rl", _urls(info), test_questions, evals["rl"], budget, args.concurrency, args.eval_rounds)
         down(state / "stack", say=lambda s: None)
 

@@ -48,6 +48,34 @@ DEFAULT_PORTS = {
     "judge": (8005, 50055),
 }
 START_ORDER = tuple(DEFAULT_PORTS)  # dependencies first; `down` stops in reverse
+# Each worker replica is an engine and a worker sidecar (as in the chart's worker pods): the first is
+# "engine" / "worker", the others "engine-2" / "worker-2", ... on ports the OS picks.
+REPLICATED = ("engine", "worker")
+
+
+def replica_name(service: str, replica: int) -> str:
+    """`engine`, `engine-2`, ...: the name of replica `replica` (1-based) of a replicated service."""
+    return service if replica == 1 else f"{service}-{replica}"
+
+
+def base_name(name: str) -> str:
+    """The service a stack.json name runs: `worker-2` -> `worker`."""
+    head, _, tail = name.rpartition("-")
+    return head if head in REPLICATED and tail.isdigit() else name
+
+
+def _start_rank(name: str) -> tuple[int, str]:
+    """Where a stack.json name comes in the start order (replicas beside their first)."""
+    base = base_name(name)
+    return (START_ORDER.index(base) if base in START_ORDER else len(START_ORDER), name)
+
+
+def worker_urls(info: dict[str, Any]) -> list[str]:
+    """Every worker replica's HTTP URL in a stack.json, in replica order (the reload targets)."""
+    names = [n for n in info.get("services", {}) if base_name(n) == "worker"]
+    return [info["services"][n]["http"] for n in sorted(names, key=lambda n: (n != "worker", n))]
+
+
 DENSE_CHOICES = ("edge", "none")  # the embedded dense backends `up` can build an index with
 # Settings `plan` gives these services itself (ports, the services they talk to, the assets): a
 # second value would silently fight it, so `worker_settings` / `engine_settings` refuse them.
@@ -336,12 +364,16 @@ def plan(
     worker_settings: Mapping[str, Any] | None = None,
     engine_settings: Mapping[str, Any] | None = None,
     records: Path | None = None,
+    replicas: int = 1,
 ) -> list[Service]:
     """The services `up` starts, with their command lines and ports.
 
     `worker_settings` / `engine_settings` (setting name -> value) go to those services as their
     options (see `check_settings`); `records` is the gateway's record file (default STATE/records.sqlite).
+    `replicas` engine + worker pairs serve episodes; the gateway routes to the least busy one.
     """
+    if replicas < 1:
+        raise StackError(f"--replicas must be at least 1, got {replicas}")
     worker_flags = setting_flags("worker", worker_settings)
     engine_flags = setting_flags("engine", engine_settings)
     taken: set[int] = set()
@@ -363,40 +395,48 @@ def plan(
     env = {"BCSTACK_ADMIN_TOKEN": token}
 
     def svc(name: str, args: list[str]) -> Service:
-        http, grpc_port = ports[name]
-        full = ["serve", name, *args, "--port", str(http)]
+        if name in ports:
+            http, grpc_port = ports[name]
+        else:  # a further replica: ports the OS picks
+            preferred_grpc = DEFAULT_PORTS[base_name(name)][1]
+            http = _pick_port(None, taken)
+            grpc_port = _pick_port(None, taken) if preferred_grpc else None
+        full = ["serve", base_name(name), *args, "--port", str(http)]
         if grpc_port is not None:
             full += ["--grpc-port", str(grpc_port)]
         return Service(name, full, http, grpc_port, env=dict(env))
 
     retrieval = svc("retrieval", ["--index-dir", str(assets["index"])])
-    engine = svc("engine", [*engine_args, *engine_flags])
-    worker_svc = svc(
-        "worker",
-        [
-            "--tokenizer",
-            str(tokenizer),
-            "--engine-url",
-            engine.http,
-            "--retrieval",
-            retrieval.grpc or "",
-            # `bcstack train rl --state` writes its exports under STATE/train; the worker reloads them.
-            "--checkpoint-root",
-            str(state / TRAIN_DIR),
-            *worker_flags,
-        ],  # fmt: skip
-    )
+    pairs = []
+    for r in range(1, replicas + 1):
+        engine = svc(replica_name("engine", r), [*engine_args, *engine_flags])
+        worker_svc = svc(
+            replica_name("worker", r),
+            [
+                "--tokenizer",
+                str(tokenizer),
+                "--engine-url",
+                engine.http,
+                "--retrieval",
+                retrieval.grpc or "",
+                # `bcstack train rl --state` writes its exports under STATE/train; the worker reloads them.
+                "--checkpoint-root",
+                str(state / TRAIN_DIR),
+                *worker_flags,
+            ],  # fmt: skip
+        )
+        pairs += [engine, worker_svc]
     llm = svc("coordinator-llm", ["--policy", "scripted"])
     gateway = svc(
         "coordinator",
         [
             "--coordinator-url", f"{llm.http}/v1",
-            "--workers", worker_svc.grpc or "",
+            "--workers", ",".join(w.grpc or "" for w in pairs[1::2]),
             "--records", str(records or state / "records.sqlite"),
         ],
     )  # fmt: skip
     judge = svc("judge", ["--cache", str(state / "judge-cache.sqlite")])
-    return [retrieval, engine, worker_svc, llm, gateway, judge]
+    return [retrieval, *pairs, llm, gateway, judge]
 
 
 def _healthy(url: str) -> bool:
@@ -428,6 +468,7 @@ def up(
     worker_settings: Mapping[str, Any] | None = None,
     engine_settings: Mapping[str, Any] | None = None,
     records: Path | None = None,
+    replicas: int = 1,
     timeout: float = 300.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -437,8 +478,11 @@ def up(
     the model) and retrieval index, used as they are instead of the ones under `state`. dense: the
     dense backend (edge or none) of an index `up` builds. worker_settings / engine_settings: those
     services' settings by name (`{"snippet_words": "24"}`). records: the gateway's record file.
+    replicas: engine + worker pairs (one core each on the CPU; the gateway spreads episodes over them).
     Everything given is checked before anything is built or started.
     """
+    if replicas < 1:
+        raise StackError(f"--replicas must be at least 1, got {replicas}")
     world, kit, index, records = (_resolved(p) for p in (world, kit, index, records))
     settings = {
         "worker": check_settings("worker", worker_settings),
@@ -483,9 +527,11 @@ def up(
         worker_settings=settings["worker"],
         engine_settings=settings["engine"],
         records=records,
+        replicas=replicas,
     )
     described = {
         "worker": worker,
+        "replicas": replicas,
         "assets": {**{k: str(v) for k, v in assets.items()}, "records": str(records)},
         "settings": settings,
     }
@@ -575,7 +621,7 @@ def down(state: Path, *, say: Callable[[str], None] = print) -> int:
     if info is None:
         raise StackError(f"no stack was started from {state} (no {STATE_FILE})")
     alive = running_pids(info)
-    order = [alive[name] for name in START_ORDER if name in alive]
+    order = [alive[name] for name in sorted(alive, key=_start_rank)]
     killed = _stop(order)
     for name in alive:
         say(f"  stopped {name} (pid {alive[name]})" + (" with SIGKILL" if alive[name] in killed else ""))

@@ -16,15 +16,28 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     state = tmp_path / "speedrun"
     result = subprocess.run(
         [sys.executable, "-m", "bcstack.speedrun", "--state", str(state), "--docs", "400",
-         "--questions-per-tier", "1", "--train-easy", "12", "--train-medium", "0", "--train-hard", "0",
+         "--questions-per-tier", "1", "--train-easy", "12", "--rl-easy", "4", "--train-medium", "0",
+         "--train-hard", "0",
          "--hidden-size", "32", "--layers", "1", "--copy-steps", "4", "--sft-epochs", "1", "--sft-batch", "4",
          "--rl-minutes", "0.01", "--rl-groups", "1", "--rl-group-size", "2", "--concurrency", "4",
-         "--eval-rounds", "2", "--no-rl-dynamic-sampling"],
+         "--eval-rounds", "2", "--no-rl-dynamic-sampling", "--replicas", "2", "--rl-steps-per-update", "2"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "snippet_words=24" in out  # the observation settings are stated
+    # RL asks 4 easy questions that the expert never answered and SFT never saw.
+    sft_questions, rl_questions = (
+        {
+            json.loads(line)["query_id"]
+            for line in (state / f"{name}-questions.jsonl").read_text().splitlines()
+        }
+        for name in ("sft", "rl")
+    )
+    assert (len(sft_questions), len(rl_questions)) == (12, 4) and not sft_questions & rl_questions
+    records = (state / "expert-records.jsonl").read_text().splitlines()
+    collected = {json.loads(line)["question_id"] for line in records}
+    assert collected == sft_questions
     assert "(75% of rows: toy text)" in out
     kit = json.loads((state / "kit" / "bcstack_model.json").read_text())
     assert kit["tokenizer"]["number_digits"] == 4 and kit["model"]["shape"]["hidden_size"] == 32
@@ -62,3 +75,35 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     # group of two episodes of this barely trained model may well have equal rewards).
     rl = read_metrics(state / "stack" / "train" / "rl")
     assert [m["update"] for m in rl] == [1] and rl[0]["weight_version"] == "rl-u1"
+    # --rl-steps-per-update 2 on a one-group update: one mini-batch, so one step.
+    assert rl[0]["optimizer_steps"] == 1
+    # Every stack of the run had two worker replicas, and RL reloaded both.
+    assert "runs 2 worker replicas" in out
+
+
+def test_rl_questions_are_a_seeded_set_of_easy_questions_sft_never_sees(tmp_path):
+    import pytest
+
+    from bcstack.speedrun import split_train
+    from bcstack.stack import StackError
+    from devkit.toyworld.generator import generate_world, write_world
+
+    write_world(
+        generate_world(600, 1, questions_per_tier=1, train_easy=20, train_medium=3, train_hard=0), tmp_path
+    )
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    ids = lambda qs: [q["query_id"] for q in qs]  # noqa: E731
+
+    sft, rl = split_train(tmp_path, 5, {"easy"}, seed=0)
+    assert len(rl) == 5 and {q["data_source"] for q in rl} == {"bc_train_easy"}
+    assert sorted(ids(sft) + ids(rl)) == sorted(ids(rows)) and not set(ids(sft)) & set(ids(rl))
+    assert split_train(tmp_path, 5, {"easy"}, seed=0) == (sft, rl)  # deterministic
+    assert ids(split_train(tmp_path, 5, {"easy"}, seed=1)[1]) != ids(rl)
+    # Other tiers in --rl-tiers add their SFT questions; --rl-easy 0 is RL on SFT's easy questions.
+    _, with_medium = split_train(tmp_path, 5, {"easy", "medium"}, seed=0)
+    medium = [q["query_id"] for q in rows if q["data_source"] == "bc_train_meduim"]
+    assert len(medium) == 3 and sorted(ids(with_medium)) == sorted(ids(rl) + medium)
+    sft_all, rl_all = split_train(tmp_path, 0, {"easy"}, seed=0)
+    assert ids(sft_all) == ids(rows) and len(rl_all) == 20
+    with pytest.raises(StackError, match="more than the world's 20 easy"):
+        split_train(tmp_path, 21, {"easy"}, seed=0)

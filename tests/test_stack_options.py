@@ -136,6 +136,28 @@ def test_plan_gives_the_settings_as_options_the_serve_commands_accept(tmp_path):
     )
 
 
+def test_plan_with_replicas_pairs_each_worker_with_its_own_engine_behind_one_gateway(tmp_path):
+    assets = {"world": tmp_path / "world", "tiny": tmp_path / "tiny", "index": tmp_path / "index"}
+    services = {s.name: s for s in plan(tmp_path, assets, "expert", "token", replicas=3)}
+    assert [n for n in services if stack.base_name(n) in ("engine", "worker")] == [
+        "engine", "worker", "engine-2", "worker-2", "engine-3", "worker-3"
+    ]  # fmt: skip
+    ports = [p for s in services.values() for p in (s.http_port, s.grpc_port) if p]
+    assert len(ports) == len(set(ports))
+    for r in ("", "-2", "-3"):
+        worker, engine = services[f"worker{r}"], services[f"engine{r}"]
+        assert worker.args[:2] == ["serve", "worker"] and engine.args[:2] == ["serve", "engine"]
+        assert parse_serve("worker", worker.args[2:]).engine_url == engine.http
+    gateway = services["coordinator"].args
+    assert gateway[gateway.index("--workers") + 1].split(",") == [
+        services[f"worker{r}"].grpc for r in ("", "-2", "-3")
+    ]
+    info = {"services": {n: {"http": s.http} for n, s in reversed(services.items())}}
+    assert stack.worker_urls(info) == [services[f"worker{r}"].http for r in ("", "-2", "-3")]
+    with pytest.raises(StackError, match="at least 1"):
+        plan(tmp_path, assets, "expert", "token", replicas=0)
+
+
 # --- given folders ----------------------------------------------------------------------------
 
 
@@ -309,11 +331,13 @@ def test_up_runs_on_a_given_world_index_and_kit_with_worker_settings(toy_kit, tm
         index=kit_dir / "idx",
         worker_settings={"snippet_words": "24", "max_turns": "7"},
         records=records,
+        replicas=2,
         timeout=60,
         say=quiet,
     )
     try:
         assert json.loads((state / "stack.json").read_text()) == info
+        assert info["replicas"] == 2 and {"engine-2", "worker-2"} <= set(info["services"])
         assert info["settings"] == {"worker": {"snippet_words": "24", "max_turns": "7"}, "engine": {}}
         assert info["assets"]["index"] == str(kit_dir / "idx") and info["assets"]["records"] == str(records)
         assert not {"world", "tiny", "index"} & {p.name for p in state.iterdir()}  # nothing built
@@ -325,12 +349,36 @@ def test_up_runs_on_a_given_world_index_and_kit_with_worker_settings(toy_kit, tm
             s.labels["limit"]: s.value for f in metrics if f.name == "bcstack_worker_limit" for s in f.samples
         }
         assert limits["max_turns"] == 7
-        q = next(q for q in toy_kit["world"].test if q["data_source"] == "bc_test_easy")
+        easy = [q for q in toy_kit["world"].test if q["data_source"] == "bc_test_easy"][:6]
         gateway = info["services"]["coordinator"]["http"]
-        body = httpx.post(gateway + "/v1/episodes", json={"question": q["query"]}, timeout=60).json()
-        assert body["status"] == "finish" and body["answer"] == q["answer"]
+
+        def ask(q: dict) -> dict:
+            return httpx.post(gateway + "/v1/episodes", json={"question": q["query"]}, timeout=60).json()
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(easy)) as pool:
+            bodies = list(pool.map(ask, easy))
+        assert [(b["status"], b["answer"]) for b in bodies] == [("finish", q["answer"]) for q in easy]
         wait_until(lambda: records.is_file(), timeout=10, message="the record file")
-        assert [r["episode_id"] for _o, r in read_records(records)] == [body["episode_id"]]
+        wait_until(lambda: len(list(read_records(records))) == len(easy), timeout=10, message="every record")
+        assert {r["episode_id"] for _o, r in read_records(records)} == {b["episode_id"] for b in bodies}
+        # Episodes sent together are spread over both replicas (least in flight first).
+        served = []
+        for name in ("worker", "worker-2"):
+            text = httpx.get(info["services"][name]["http"] + "/metrics", timeout=5).text
+            served.append(
+                sum(
+                    s.value
+                    for f in text_string_to_metric_families(text)
+                    if f.name == "bcstack_worker_episodes"
+                    for s in f.samples
+                    if s.name == "bcstack_worker_episodes_total"
+                )
+            )
+        assert sum(served) == len(easy) and min(served) >= 1, served
+        pids = [s["pid"] for s in info["services"].values()]
     finally:
         down(state, say=quiet)
+    assert not any(stack._alive(p) for p in pids)  # every replica stopped too
     assert _untouched(kit_dir) == before  # used as they are: nothing rebuilt

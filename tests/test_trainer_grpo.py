@@ -242,3 +242,96 @@ def test_command_line_defaults_are_the_recipe() -> None:
     assert defaults["lr"] == g.LR and defaults["steps"] == 1 and defaults["grader"] == "rule"
     assert defaults["micro_batch_tokens"] == g.MICRO_BATCH_TOKENS
     assert defaults["groups_per_step"] == g.GROUPS_PER_STEP
+
+
+# --- several optimizer steps per update ------------------------------------------------------------
+
+
+def _toy_sample(group: str, episode: str, ids: list[int], reward: float) -> Sample:
+    return Sample(ids, [0, 0] + [1] * (len(ids) - 2), [0.0] * len(ids), group, episode, f"{episode}.w0",
+                  group, reward, None, ())  # fmt: skip
+
+
+def test_mini_batches_hold_whole_groups_balanced_by_tokens() -> None:
+    from trainer.grpo import GRPOError, mini_batches
+
+    samples = [
+        _toy_sample("a", "a1", [1] * 10, 1.0), _toy_sample("b", "b1", [1] * 3, 1.0),
+        _toy_sample("a", "a2", [1] * 10, 0.0), _toy_sample("c", "c1", [1] * 4, 0.0),
+        _toy_sample("b", "b2", [1] * 3, 0.0), _toy_sample("c", "c2", [1] * 4, 1.0),
+    ]  # fmt: skip
+    # Group tokens: a 20, b 6, c 8. Largest first to the lightest: a -> 0, c -> 1, b -> 1.
+    assert mini_batches(samples, 2) == [[0, 2], [1, 3, 4, 5]]
+    assert mini_batches(samples, 1) == [list(range(6))]
+    # More mini-batches than groups: one per group, in order of first appearance.
+    assert mini_batches(samples, 5) == [[0, 2], [1, 4], [3, 5]]
+    with pytest.raises(GRPOError, match="at least 1"):
+        mini_batches(samples, 0)
+
+
+def test_several_steps_per_update_step_once_per_mini_batch_against_the_rollout_policy(toy_kit: dict) -> None:
+    tiny = toy_kit["dir"] / "tiny"
+    torch.manual_seed(0)
+    vocab = load_policy(tiny).config.vocab_size
+    samples = []
+    for g in range(4):
+        for e, reward in enumerate((1.0, 0.0)):
+            ids = torch.randint(5, vocab, (24,)).tolist()
+            samples.append(_toy_sample(f"g{g}", f"g{g}e{e}", ids, reward))
+    ref = load_reference(tiny)
+    credit = sample_credit(
+        samples, [GradedEpisode(s.episode_id, s.group_id, s.episode_reward) for s in samples]
+    )
+
+    one = load_policy(tiny)
+    whole = grpo_step(one, ref, make_optimizer(one, lr=1e-3), samples, credit)
+    two = load_policy(tiny)
+    optimizer = make_optimizer(two, lr=1e-3)
+    snapshots: list[dict[str, torch.Tensor]] = []
+    optimizer.register_step_post_hook(
+        lambda *_: snapshots.append({k: v.detach().clone() for k, v in two.state_dict().items()})
+    )
+    split = grpo_step(two, ref, optimizer, samples, credit, steps=2)
+
+    assert (whole["optimizer_steps"], split["optimizer_steps"], len(snapshots)) == (1, 2, 2)
+    # One step on the whole batch has ratio exactly 1; the second mini-batch is scored against the
+    # policy before the first step (logp_old), so its ratio moves off 1.
+    assert whole["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(split["ratio_mean"] - 1.0) > 1e-5
+    # The first step is a one-step update on the first mini-batch alone.
+    from trainer.grpo import mini_batches
+
+    first = [samples[i] for i in mini_batches(samples, 2)[0]]
+    alone = load_policy(tiny)
+    grpo_step(
+        alone, ref, make_optimizer(alone, lr=1e-3), first, [credit[i] for i in mini_batches(samples, 2)[0]]
+    )
+    for key, value in alone.state_dict().items():
+        torch.testing.assert_close(snapshots[0][key], value, rtol=0, atol=1e-6)
+    # Both steps count in the update's statistics, weighted like the one-step loss.
+    assert split["samples"] == whole["samples"] and split["loss_tokens"] == whole["loss_tokens"]
+    assert split["pg_loss"] == pytest.approx(whole["pg_loss"], abs=1e-6)
+
+
+def test_the_vector_lr_scale_multiplies_the_lr_of_1d_parameters_only(toy_kit: dict) -> None:
+    from trainer.grpo import GRPOError, set_lr
+
+    policy = load_policy(toy_kit["dir"] / "tiny")
+    optimizer = make_optimizer(policy, lr=1e-4, vector_lr_scale=50.0)
+    matrices, vectors = optimizer.param_groups
+    assert all(p.dim() >= 2 for p in matrices["params"]) and all(p.dim() == 1 for p in vectors["params"])
+    assert (matrices["lr"], vectors["lr"]) == (pytest.approx(1e-4), pytest.approx(5e-3))
+    assert (matrices["weight_decay"], vectors["weight_decay"]) == (0.1, 0.0)
+    set_lr(optimizer, 2e-5)  # a new LR keeps each group's multiplier
+    assert (matrices["lr"], vectors["lr"]) == (pytest.approx(2e-5), pytest.approx(1e-3))
+    # One step moves a norm gain by about its group's LR (Adam's first step is lr x sign(g)).
+    gain = next(p for n, p in policy.named_parameters() if n.endswith("norm.weight"))
+    before = gain.detach().clone()
+    gain.grad = torch.ones_like(gain)
+    for p in matrices["params"]:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    assert (before - gain.detach()).abs().max() == pytest.approx(1e-3, rel=1e-3)
+    assert make_optimizer(policy, lr=1e-4).param_groups[1]["lr"] == pytest.approx(1e-4)  # default: one LR
+    with pytest.raises(GRPOError, match="vector LR scale"):
+        make_optimizer(policy, vector_lr_scale=0.0)

@@ -11,7 +11,8 @@ Read top to bottom, one update is:
 4. loss    micro-batches packed under a token budget; each one's `grpo_loss` (PPO clip 0.2/0.28,
            TIS cap 2, k3 KL 0.001, per-sample token mean, Σ w·l / Σ w) is scaled by its share of
            the update's Σ w and back-propagated, so the summed gradient is the full batch's;
-5. step    clip the gradient norm, one AdamW step, log, checkpoint.
+5. step    clip the gradient norm, one AdamW step (or one per mini-batch of whole groups, `steps`),
+           log, checkpoint.
 
     rewards, contributions, episodes = grade_records(path)              # 1
     samples, _ = load_samples(path, rewards=rewards, contributions=contributions)
@@ -34,9 +35,10 @@ Megatron does. The gradient-norm clip of 1.0 is not in the seeds: it is Megatron
 default, which Miles inherits.
 
 Simplified, and why:
-- One update per rollout batch, so logp_old equals logp at the moment of the update: the PPO
-  ratio is 1 and the clip cannot bind (slime with one optimizer step per rollout is the same).
-  logp_old is still computed and used, so several updates per batch need no new code.
+- One optimizer step per rollout batch by default, so logp_old equals logp at the moment of the
+  update: the PPO ratio is 1 and the clip cannot bind (slime with one optimizer step per rollout is
+  the same). `steps` > 1 takes one step per mini-batch of whole groups, logp_old fixed before the
+  first: the later steps are off-policy by the earlier ones, and the ratio and clip handle that.
 - float32 throughout. One step for every layout: under torchrun the same `grpo_step` runs on each
   rank of a [dp, tp] mesh (`trainer.distributed`: TP by plan, FSDP2 on dp, each dp rank on its
   share of the micro-batches); the rollout loop that produces the records lives in `bcstack.rl`.
@@ -66,7 +68,7 @@ from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from trainer.data import Sample, group_samples, load_samples, read_records
 from trainer.distributed import Layout, full_state_dict, grad_norm_clip, parallelize, silent
 from trainer.loss import grpo_loss
-from trainer.packing import PackedBatch, pack_micro_batches, per_token_logprobs
+from trainer.packing import PackedBatch, first_fit_pack, pack, per_token_logprobs
 
 LR = 1e-6  # seed 000
 BETAS = (0.9, 0.95)  # seed 001 (the SFT stage of the same Miles setup)
@@ -251,19 +253,68 @@ def _load_model(model_dir: Path, what: str, device: torch.device | str) -> torch
     return model.to(device)
 
 
-def make_optimizer(policy: torch.nn.Module, lr: float = LR) -> torch.optim.AdamW:
-    """AdamW with seed 001's betas and weight decay; no decay on 1-D parameters (norms, biases)."""
+def make_optimizer(
+    policy: torch.nn.Module, lr: float = LR, *, vector_lr_scale: float = 1.0
+) -> torch.optim.AdamW:
+    """AdamW with seed 001's betas and weight decay; no decay on 1-D parameters (norms, biases).
+
+    `vector_lr_scale` multiplies the 1-D parameters' LR. Adam moves every parameter by about the LR
+    per step whatever its size, so at one LR a norm gain near 1 moves tens of times less, relative to
+    itself, than a matrix entry near 0.03 (the tiny model's). Scaling the vectors' LR by about that
+    ratio gives both kinds the same relative step, the idea behind layer-wise rates (LARS, You et al.
+    2017; LAMB, You et al. 2020) and muP's separate Adam rates for matrix-like and vector-like
+    parameters (Yang et al. 2022, "Tensor Programs V", Table 3). Each group keeps its multiplier as
+    `lr_scale`, so `set_lr` gives every group its share of a new LR.
+    """
+    if not (math.isfinite(vector_lr_scale) and vector_lr_scale > 0):
+        raise GRPOError(f"the vector LR scale must be a finite number > 0, got {vector_lr_scale}")
     params = [p for p in policy.parameters() if p.requires_grad]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY, "lr_scale": 1.0},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr_scale": vector_lr_scale},
     ]
+    for group in groups:
+        group["lr"] = lr * group["lr_scale"]
     return torch.optim.AdamW(groups, lr=lr, betas=BETAS)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every parameter group's LR: `lr` times the group's `lr_scale` (1 where it has none)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def _rows(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """A packed [1, T] row as [samples, longest]: one sample per row, zero padded (off the loss mask)."""
     return pad_sequence([values[0, s] for s in batch.slices], batch_first=True)
+
+
+def mini_batches(samples: Sequence[Sample], count: int) -> list[list[int]]:
+    """The update's samples split into `count` mini-batches of whole question groups, one optimizer
+    step each (slime's ``--num-steps-per-rollout``, verl's ``ppo_mini_batch_size``).
+
+    Whole groups, because a group's advantages are centred on its own mean: a mini-batch that held
+    only a group's better samples would be a step with no baseline. Groups are dealt largest first
+    (by tokens) to the mini-batch with the fewest tokens so far, so the steps see similar amounts of
+    data; each mini-batch lists its sample indices ascending, and the mini-batches keep the order of
+    their first group. Fewer groups than `count` gives one mini-batch per group. Deterministic.
+    """
+    if count < 1:
+        raise GRPOError(f"mini-batches per update must be at least 1, got {count}")
+    groups: dict[str, list[int]] = {}
+    for i, sample in enumerate(samples):
+        groups.setdefault(sample.group_id, []).append(i)
+    members = list(groups.values())
+    sizes = [sum(len(samples[i]) for i in g) for g in members]
+    count = min(count, len(members))
+    bins: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for g in sorted(range(len(members)), key=lambda g: (-sizes[g], g)):
+        target = min(range(count), key=lambda b: (loads[b], b))
+        bins[target].append(g)
+        loads[target] += sizes[g]
+    ordered = sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+    return [sorted(i for g in b for i in members[g]) for b in ordered]
 
 
 def grpo_step(
@@ -276,76 +327,100 @@ def grpo_step(
     micro_batch_tokens: int = MICRO_BATCH_TOKENS,
     max_grad_norm: float = MAX_GRAD_NORM,
     layout: Layout | None = None,
+    steps: int = 1,
 ) -> dict[str, float]:
     """One GRPO update of `policy` on `samples` (with `credit` aligned to them); returns its stats.
+
+    `steps` > 1 splits the update into that many mini-batches of whole groups (`mini_batches`) and
+    takes one optimizer step on each, in turn; logp_old and logp_ref are computed for every sample
+    before the first step, so from the second step on the PPO ratio is no longer 1 and the clip
+    keeps each step near the policy that generated the rollouts (PPO's several minibatch steps per
+    batch, Schulman et al. 2017, §5). `steps` = 1 is one step on the whole batch.
 
     Stats: loss, pg_loss, kl (weighted like the loss, over the whole update); tis_clip_fraction,
     ppo_clip_fraction, ratio_mean and logp_rollout_abs_diff (mean |logp_old − logp_rollout|, the
     train/inference mismatch), all over loss tokens; advantage_mean/std/min/max over samples;
-    grad_norm (before clipping); tokens, loss_tokens, tokens_per_second, micro_batches, samples,
-    seconds. A non-finite loss or gradient raises GRPOError before the optimizer steps.
+    grad_norm (before clipping; the mean over the steps); optimizer_steps; tokens, loss_tokens,
+    tokens_per_second, micro_batches, samples, seconds. A non-finite loss or gradient raises
+    GRPOError before that step is taken.
     """
     started = time.perf_counter()
     layout = layout or Layout.single()
-    batches = pack_micro_batches(samples, micro_batch_tokens)
-    # This dp rank's micro-batches; every rank runs as many (padding slots train with scale 0).
-    plan = layout.schedule(batches, [b.num_tokens for b in batches])
+    update_weight = sum(c.weight for s, c in zip(samples, credit, strict=True) if any(s.loss_mask))
+    if update_weight <= 0:
+        raise GRPOError("no generated tokens to train on (every loss mask is 0)")
     advantages = torch.tensor([c.advantage for c in credit], dtype=torch.float32)
     weights = torch.tensor([c.weight for c in credit], dtype=torch.float32)
+    # Each mini-batch's micro-batches (indices into `samples`), and this dp rank's share of them;
+    # every rank runs as many (padding slots train with scale 0).
+    plans = []
+    for members in mini_batches(samples, steps):
+        lengths = [len(samples[i]) for i in members]
+        bins = first_fit_pack(lengths, micro_batch_tokens)
+        batches = [pack(samples, [members[j] for j in b]) for b in bins]
+        plans.append((members, batches, layout.schedule(batches, [b.num_tokens for b in batches])))
 
-    # The update's loss is Σ_i w_i·l_i / Σ_i w_i over ALL its samples (samples without loss tokens
-    # do not count). Each micro-batch's grpo_loss is normalized by its own Σ w, so scaling it by
-    # (its Σ w) / (the update's Σ w) makes the summed losses and gradients the full batch's, summed
-    # over micro-batches and over dp ranks alike.
-    total_weight = sum(c.weight for s, c in zip(samples, credit, strict=True) if any(s.loss_mask))
-    if total_weight <= 0:
-        raise GRPOError("no generated tokens to train on (every loss mask is 0)")
-
-    optimizer.zero_grad(set_to_none=True)
     sums = dict.fromkeys(("loss", "pg_loss", "kl", *TOKEN_MEANS, "mismatch", "loss_tokens", "tokens"), 0.0)
+    norms: list[float] = []
+    optimizer.zero_grad(set_to_none=True)
     with layout.train_context():
         # Targets, fixed before any weight moves: the policy's own log-probs (logp_old) and the reference's.
         with torch.no_grad():
-            logp_old = [per_token_logprobs(policy, b) for b, _ in plan]
-            logp_ref = [per_token_logprobs(ref, b) for b, _ in plan]
-        for (batch, real), old, reference in zip(plan, logp_old, logp_ref, strict=True):
-            logp = per_token_logprobs(policy, batch)
-            device = logp.device  # the batch and the credit live on the CPU until here
-            mask = _rows(batch.loss_mask, batch).to(device)
-            which = list(batch.indices)
-            loss, stats = grpo_loss(
-                _rows(logp, batch),
-                _rows(old, batch),
-                _rows(batch.rollout_logprobs, batch).to(device),
-                _rows(reference, batch),
-                advantages[which].to(device),
-                mask,
-                sample_weights=weights[which].to(device),
-            )
-            share = stats["sample_weight_sum"] / total_weight if real else 0.0
-            (loss * share).backward()
-            if not real:
-                continue
-            n = int(mask.sum())
-            for key in ("loss", "pg_loss", "kl"):
-                sums[key] += stats[key] * share
-            for key in TOKEN_MEANS:
-                sums[key] += stats[key] * n
-            # How far the trainer's log-probs are from the engine's (train/inference mismatch).
-            mismatch = (old - batch.rollout_logprobs.to(device)).abs() * batch.loss_mask.to(device)
-            sums["mismatch"] += float(mismatch.sum())
-            sums["loss_tokens"] += n
-            sums["tokens"] += batch.num_tokens
+            logp_old = [[per_token_logprobs(policy, b) for b, _ in plan] for _, _, plan in plans]
+            logp_ref = [[per_token_logprobs(ref, b) for b, _ in plan] for _, _, plan in plans]
+        for (members, _, plan), olds, refs in zip(plans, logp_old, logp_ref, strict=True):
+            # A step's loss is Σ_i w_i·l_i / Σ_i w_i over ALL its samples (samples without loss tokens
+            # do not count). Each micro-batch's grpo_loss is normalized by its own Σ w, so scaling it by
+            # (its Σ w) / (the step's Σ w) makes the summed losses and gradients the step's, summed
+            # over micro-batches and over dp ranks alike.
+            step_weight = sum(credit[i].weight for i in members if any(samples[i].loss_mask))
+            if step_weight <= 0:
+                continue  # a mini-batch with nothing generated: no step
+            step_loss = 0.0
+            for (batch, real), old, reference in zip(plan, olds, refs, strict=True):
+                logp = per_token_logprobs(policy, batch)
+                device = logp.device  # the batch and the credit live on the CPU until here
+                mask = _rows(batch.loss_mask, batch).to(device)
+                which = list(batch.indices)
+                loss, stats = grpo_loss(
+                    _rows(logp, batch),
+                    _rows(old, batch),
+                    _rows(batch.rollout_logprobs, batch).to(device),
+                    _rows(reference, batch),
+                    advantages[which].to(device),
+                    mask,
+                    sample_weights=weights[which].to(device),
+                )
+                share = stats["sample_weight_sum"] / step_weight if real else 0.0
+                (loss * share).backward()
+                if not real:
+                    continue
+                step_loss += stats["loss"] * share
+                n = int(mask.sum())
+                # The update's statistics weigh each sample as the one-step loss would.
+                for key in ("loss", "pg_loss", "kl"):
+                    sums[key] += stats[key] * stats["sample_weight_sum"] / update_weight
+                for key in TOKEN_MEANS:
+                    sums[key] += stats[key] * n
+                # How far the trainer's log-probs are from the engine's (train/inference mismatch).
+                mismatch = (old - batch.rollout_logprobs.to(device)).abs() * batch.loss_mask.to(device)
+                sums["mismatch"] += float(mismatch.sum())
+                sums["loss_tokens"] += n
+                sums["tokens"] += batch.num_tokens
+            (step_loss,) = layout.sum_over_dp([step_loss])
+            grad_norm = grad_norm_clip(policy.parameters(), max_grad_norm)
+            if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)
+                raise GRPOError(
+                    f"non-finite loss or gradient (loss {step_loss}, grad norm {grad_norm}) at step "
+                    f"{len(norms) + 1} of the update; that step was not made"
+                )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            norms.append(grad_norm)
     sums = dict(zip(sums, layout.sum_over_dp(list(sums.values())), strict=True))
     totals = {key: sums[key] for key in ("loss", "pg_loss", "kl")}
     loss_tokens = int(sums["loss_tokens"])
-
-    grad_norm = grad_norm_clip(policy.parameters(), max_grad_norm)
-    if not all(math.isfinite(v) for v in (*totals.values(), grad_norm)):
-        optimizer.zero_grad(set_to_none=True)
-        raise GRPOError(f"non-finite loss or gradient ({totals}, grad norm {grad_norm}); no update made")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
     seconds = layout.max_over_world(time.perf_counter() - started)
     tokens = int(sums["tokens"])
@@ -358,11 +433,12 @@ def grpo_step(
         "advantage_std": statistics.pstdev(adv),
         "advantage_min": min(adv),
         "advantage_max": max(adv),
-        "grad_norm": grad_norm,
+        "grad_norm": statistics.fmean(norms) if norms else 0.0,
+        "optimizer_steps": len(norms),
         "tokens": tokens,
         "loss_tokens": loss_tokens,
         "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
-        "micro_batches": len(batches),
+        "micro_batches": sum(len(batches) for _, batches, _ in plans),
         "samples": len(samples),
         "seconds": seconds,
     }
@@ -465,8 +541,7 @@ def train(
         step = state["step"]
         if state["data_cursor"].get("records") == str(records.resolve()):
             next_batch = state["data_cursor"].get("next_batch", 0)
-        for group in optimizer.param_groups:  # the command line's LR wins over the checkpoint's
-            group["lr"] = lr
+        set_lr(optimizer, lr)  # the command line's LR wins over the checkpoint's
         if layout.is_main:
             _keep_metrics_until(metrics_path, step)
         say(f"resumed from {latest} (step {step})")

@@ -105,6 +105,22 @@ def rl(
         "versions behind; older groups are dropped and counted. 0 = synchronous.",
     ),
     lr: float = typer.Option(1e-6, "--lr", min=0.0, help="AdamW learning rate (seed 000: 1e-6)."),
+    steps_per_update: int = typer.Option(
+        1,
+        "--steps-per-update",
+        min=1,
+        help="Optimizer steps per update: the update's groups split into this many mini-batches of "
+        "whole groups, one step each, PPO-clipped against the policy that generated them (slime's "
+        "--num-steps-per-rollout). 1: one step on the whole batch.",
+    ),
+    vector_lr_scale: float = typer.Option(
+        1.0,
+        "--vector-lr-scale",
+        min=0.0,
+        help="LR multiplier of the 1-D parameters (norm gains): Adam moves each weight by about the LR, "
+        "so a gain near 1 moves far less, relative to itself, than a matrix entry; the ratio of their "
+        "sizes evens that out (trainer/grpo.py make_optimizer). 1: one LR for all.",
+    ),
     micro_batch_tokens: int = typer.Option(
         MAX_TOKENS,
         "--micro-batch-tokens",
@@ -196,10 +212,13 @@ def rl(
         stack_file = state / "stack.json"
         if not stack_file.is_file():
             fail(f"--state {state}: no stack.json (start one with `bcstack up --state {state}`)")
-        services = json.loads(stack_file.read_text())["services"]
+        from bcstack.stack import worker_urls
+
+        info = json.loads(stack_file.read_text())
+        services = info["services"]
         gateway = gateway or services["coordinator"]["http"]
         judge = judge or services["judge"]["http"]
-        workers = workers or services["worker"]["http"]
+        workers = workers or ",".join(worker_urls(info))
         if not token and (state / "admin-token").is_file():
             token = (state / "admin-token").read_text().strip()
     if not gateway or not judge:
@@ -235,6 +254,8 @@ def rl(
         group_size=group_size,
         max_policy_lag=max_policy_lag,
         lr=lr,
+        steps_per_update=steps_per_update,
+        vector_lr_scale=vector_lr_scale,
         micro_batch_tokens=micro_batch_tokens,
         mixed_versions=mixed_versions,
         dynamic_sampling=dynamic_sampling,

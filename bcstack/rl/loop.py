@@ -65,6 +65,7 @@ from trainer.grpo import (
     load_reference,
     make_optimizer,
     sample_credit,
+    set_lr,
 )
 from trainer.sinks import RunSinks, read_metrics
 
@@ -109,6 +110,10 @@ class RLConfig:
     group_size: int = 8
     max_policy_lag: int = 1
     lr: float = LR
+    # Optimizer steps per update, one per mini-batch of whole groups (trainer.grpo.grpo_step).
+    steps_per_update: int = 1
+    # The 1-D parameters' (norm gains') LR is lr x this (trainer.grpo.make_optimizer).
+    vector_lr_scale: float = 1.0
     micro_batch_tokens: int = MICRO_BATCH_TOKENS
     mixed_versions: str = "keep"
     dynamic_sampling: bool = False
@@ -268,7 +273,9 @@ class RLRun:
             resume_update=resume_update,
             config={
                 "updates": cfg.updates, "groups": cfg.groups, "group_size": cfg.group_size,
-                "max_policy_lag": cfg.max_policy_lag, "lr": cfg.lr, "model": str(cfg.model),
+                "max_policy_lag": cfg.max_policy_lag, "lr": cfg.lr,
+                "steps_per_update": cfg.steps_per_update, "vector_lr_scale": cfg.vector_lr_scale,
+                "model": str(cfg.model),
                 "ref": str(cfg.ref), "mixed_versions": cfg.mixed_versions,
             },
         )  # fmt: skip
@@ -355,6 +362,9 @@ class RLRun:
     async def _collect(self) -> tuple[list[GroupRollout], dict[str, Any]]:
         counts: dict[str, Any] = {"dropped_stale": 0, "filtered_zero_variance": 0}
         batch: list[GroupRollout] = []
+        # Every graded reward of the policy's groups, the filtered ones too: with dynamic sampling the
+        # trained groups' mean is pulled towards 0.5, and this is the policy's success rate.
+        sampled: list[float] = []
         waited = time.perf_counter()
         while len(batch) < self.cfg.groups:
             if self.failure is not None:
@@ -369,6 +379,7 @@ class RLRun:
                 counts["dropped_stale"] += 1
                 self.open_groups -= 1
             elif self.cfg.dynamic_sampling and rollout.zero_variance:
+                sampled.extend(rollout.rewards.values())
                 counts["filtered_zero_variance"] += 1
                 self.open_groups -= 1
                 filtered = counts["filtered_zero_variance"]
@@ -380,9 +391,12 @@ class RLRun:
                         "questions, a larger --group-size, or no --dynamic-sampling)"
                     )
             else:
+                sampled.extend(rollout.rewards.values())
                 batch.append(rollout)
             self.changed.set()  # room for the producer
         counts["trainer_idle_seconds"] = time.perf_counter() - waited
+        counts["sampled_reward_mean"] = statistics.fmean(sampled) if sampled else None
+        counts["sampled_episodes"] = len(sampled)
         return batch, counts
 
     # --- held-out evaluation --------------------------------------------------------------------
@@ -468,6 +482,7 @@ class RLRun:
             credit,
             micro_batch_tokens=self.cfg.micro_batch_tokens,
             layout=self.layout,
+            steps=self.cfg.steps_per_update,
         )
         generated = [lp for s in samples for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if m]
         metrics.update(
@@ -482,6 +497,7 @@ class RLRun:
                 # per-token entropy (E[−log p(x)] = H), with no extra forward pass.
                 "entropy": -statistics.fmean(generated) if generated else 0.0,
                 "grad_norm": stats["grad_norm"],
+                "optimizer_steps": stats["optimizer_steps"],
                 "samples": stats["samples"],
                 "train_tokens": stats["tokens"],
                 "train_seconds": stats["seconds"],
@@ -602,12 +618,14 @@ def _trainer_state(
     (with the command line's LR), and the checkpoint's state. Every rank calls it, in step."""
     policy = parallelize(load_policy(cfg.model, layout.device), layout)
     ref = parallelize(load_reference(cfg.ref, layout.device), layout)
-    optimizer = make_optimizer(policy, cfg.lr)
+    optimizer = make_optimizer(policy, cfg.lr, vector_lr_scale=cfg.vector_lr_scale)
     state = None
     if latest is not None:
+        scales = [group["lr_scale"] for group in optimizer.param_groups]
         state = load_checkpoint(latest, model=policy, optimizer=optimizer, layout=layout)
-        for group in optimizer.param_groups:  # the command line's LR wins
-            group["lr"] = cfg.lr
+        for group, scale in zip(optimizer.param_groups, scales, strict=True):
+            group["lr_scale"] = scale  # the command line's LR and scale win over the checkpoint's
+        set_lr(optimizer, cfg.lr)
     return policy, ref, optimizer, state
 
 
@@ -624,7 +642,7 @@ def follow(cfg: RLConfig, layout: Layout) -> None:
     def train(samples: list[Sample], credit: list[Any]) -> None:
         grpo_step(
             models["policy"], models["ref"], models["optimizer"], samples, credit,
-            micro_batch_tokens=cfg.micro_batch_tokens, layout=layout,
+            micro_batch_tokens=cfg.micro_batch_tokens, layout=layout, steps=cfg.steps_per_update,
         )  # fmt: skip
 
     def save(update: int) -> None:
@@ -646,7 +664,14 @@ def _describe(m: dict[str, Any], updates: int) -> str:
 
     return (
         f"update {m['update']}/{updates}: reward {f(m['reward_mean'])}, accuracy {f(m['accuracy'])} over "
-        f"{m['graded_episodes']} graded, {m['zero_variance_groups']} zero-variance group(s), "
+        f"{m['graded_episodes']} graded"
+        + (
+            f" (all {m['sampled_episodes']} sampled: {f(m['sampled_reward_mean'])}, "
+            f"{m['filtered_zero_variance']} equal-reward group(s) left out)"
+            if m.get("filtered_zero_variance")
+            else ""
+        )
+        + f", {m['zero_variance_groups']} zero-variance group(s), "
         f"{m['excluded_episodes']} excluded, {m['dropped_stale']} stale dropped, "
         f"lag max {m['policy_lag_max']}, kl {f(m['kl'], '.2e')}, grad {f(m['grad_norm'], '.2e')}, "
         f"train {f(m['train_tokens_per_s'], '.0f')} tok/s, "
