@@ -62,7 +62,7 @@ def parse_targets(items: list[str]) -> dict[str, str]:
 
 def from_state(state: Path) -> tuple[str, dict[str, str]]:
     """The gateway URL and every service's URL from `bcstack up`'s stack.json."""
-    from bcstack.stack import STATE_FILE, StackError, read_state
+    from bcstack.stack import STATE_FILE, StackError, base_name, read_state
 
     path = state / STATE_FILE
     try:
@@ -74,7 +74,10 @@ def from_state(state: Path) -> tuple[str, dict[str, str]]:
     services = info["services"]
     if "coordinator" not in services:
         raise SmokeError(f"{path} lists no coordinator gateway")
-    return services["coordinator"]["http"], {n: s["http"] for n, s in services.items() if n in PREFIXES}
+    # Every worker replica is checked: engine-2 / worker-2, ... carry the engine's / worker's metrics.
+    return services["coordinator"]["http"], {
+        n: s["http"] for n, s in services.items() if base_name(n) in PREFIXES
+    }
 
 
 def _owner(family: str) -> str | None:
@@ -119,10 +122,13 @@ def metrics_check(client: httpx.Client, name: str, url: str) -> Check:
     except ValueError as e:
         return Check(f"{name} /metrics", False, f"{url}/metrics is not the Prometheus text format: {e}")
 
-    own = [f for f in families if _owner(f) == name]
+    from bcstack.stack import base_name
+
+    kind = base_name(name)  # a replica (worker-2) carries its service's metrics
+    own = [f for f in families if _owner(f) == kind]
     if not own:
-        return Check(f"{name} /metrics", False, f"{url}/metrics has no {PREFIXES[name]}* metrics")
-    return Check(f"{name} /metrics", True, f"{len(own)} {PREFIXES[name]}* families")
+        return Check(f"{name} /metrics", False, f"{url}/metrics has no {PREFIXES[kind]}* metrics")
+    return Check(f"{name} /metrics", True, f"{len(own)} {PREFIXES[kind]}* families")
 
 
 def run_smoke(gateway: str | None, targets: dict[str, str], question: str, timeout: float) -> list[Check]:

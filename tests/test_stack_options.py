@@ -377,6 +377,13 @@ def test_up_runs_on_a_given_world_index_and_kit_with_worker_settings(toy_kit, tm
                 )
             )
         assert sum(served) == len(easy) and min(served) >= 1, served
+        # `bcstack smoke --state` checks every replica's metrics too.
+        from bcstack.smoke import from_state, run_smoke
+
+        gateway_url, targets = from_state(state)
+        checks = {c.name: c for c in run_smoke(None, targets, "", timeout=10)}
+        assert {"engine-2 /metrics", "worker-2 /metrics"} <= set(checks)
+        assert all(c.ok for c in checks.values()), [c for c in checks.values() if not c.ok]
         pids = [s["pid"] for s in info["services"].values()]
     finally:
         down(state, say=quiet)
