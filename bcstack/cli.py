@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from bcstack import __version__
+from bcstack import __version__, reload_cli
 from bcstack.evaluation.cli import app as eval_app
 from bcstack.rl import cli as rl_cli
 from bcstack.rl import report as rl_report
@@ -24,7 +24,6 @@ from services.judge import cli as judge_cli
 from services.retrieval import cli as retrieval_cli
 from services.retrieval.loadtest_cli import app as loadtest_app
 from services.worker import cli as worker_cli
-from services.worker import reload_cli
 from trainer import cli as trainer_cli
 from trainer import sft_cli
 
@@ -70,7 +69,7 @@ app.add_typer(train_app, name="train")
 checkpoint_app = typer.Typer(help="Serving-format checkpoints.", no_args_is_help=True)
 checkpoint_app.command("verify")(trainer_cli.verify)
 app.add_typer(checkpoint_app, name="checkpoint")
-app.add_typer(reload_cli.app, name="worker", help="Operate running workers: rolling hot reload.")
+app.add_typer(reload_cli.app, name="worker", help="Operate running workers: rolling and canary hot reloads.")
 
 
 @app.command("up")

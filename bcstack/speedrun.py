@@ -124,6 +124,49 @@ def _stack(
     )  # fmt: skip
 
 
+def _serve(
+    state: Path,
+    model: Path,
+    version: str,
+    world: Path,
+    kit: Path,
+    index: Path,
+    settings: dict[str, str],
+    replicas: int = 1,
+) -> dict:
+    """A stack serving `model`: the tiny-model stack already running from `state` hot-reloads it
+    (a second `up` costs more than the whole evaluation of a toy world), else a new one starts.
+
+    The workers reload only from inside their checkpoint root, so a model kept elsewhere is copied
+    into `state`/train/`version` first.
+    """
+    import asyncio
+
+    from bcstack.stack import TRAIN_DIR, base_name, running_pids
+    from services.worker.rolling import rolling_reload
+
+    info = read_state(state)
+    if info is None or not running_pids(info) or info.get("worker") in ("expert", "expert-snippets"):
+        return _stack(state, str(model), world, kit, index, settings, replicas)
+    root = state / TRAIN_DIR
+    target = model.resolve()
+    if not target.is_relative_to(root.resolve()):
+        copy = root / version
+        if copy.exists():
+            shutil.rmtree(copy)
+        shutil.copytree(model, copy)
+        target = copy.resolve()
+    token = Path(info["admin_token_file"]).read_text().strip()
+    urls = [s["http"] for name, s in info["services"].items() if base_name(name) == "worker"]
+    results = asyncio.run(rolling_reload(urls, str(target), version, token, timeout=300))
+    failed = [r for r in results if r.state != "reloaded"]
+    if failed:
+        raise StackError(
+            f"reloading {model} failed: " + "; ".join(f"{r.url}: {r.error or r.state}" for r in failed)
+        )
+    return info
+
+
 def split_train(world: Path, rl_easy: int, rl_tiers: set[str], seed: int) -> tuple[list[dict], list[dict]]:
     """The world's train split as (SFT questions, RL questions).
 
@@ -516,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             info = _stack(state / "stack", str(kit), world, kit, index, settings, args.replicas)
             evaluate("untrained", _urls(info), test_questions, evals["untrained"], budget, args.concurrency)
         tl.stage("eval sft", f"the SFT model on {len(test_questions)} held-out questions")
-        info = _stack(state / "stack", str(sft_model), world, kit, index, settings, args.replicas)
+        info = _serve(state / "stack", sft_model, "sft", world, kit, index, settings, args.replicas)
         evaluate("sft", _urls(info), test_questions, evals["sft"], budget, args.concurrency, args.eval_rounds)
 
         tl.stage("rl", f"bcstack train rl from the SFT model for {args.rl_minutes:g} minutes")
@@ -556,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
         tl.stage(
             "eval rl", f"the RL model (update {updates}, {rl_model.name}) on {len(test_questions)} questions"
         )
-        info = _stack(state / "stack", str(rl_model), world, kit, index, settings, args.replicas)
+        rl_version = rl_model.name if rl_model != sft_model else "sft"
+        info = _serve(state / "stack", rl_model, rl_version, world, kit, index, settings, args.replicas)
         evaluate("rl", _urls(info), test_questions, evals["rl"], budget, args.concurrency, args.eval_rounds)
         down(state / "stack", say=lambda s: None)
 

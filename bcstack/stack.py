@@ -538,10 +538,13 @@ def up(
     logs = state / "logs"
     logs.mkdir(exist_ok=True)
     started: list[Service] = []
+    procs: dict[str, subprocess.Popen] = {}
     try:
+        # Every service starts at once (their imports overlap on the cores), then each is waited for in
+        # plan order; none needs another to be up to start (clients connect when first used).
         for service in services:
             log = (logs / f"{service.name}.log").open("w")
-            proc = subprocess.Popen(
+            procs[service.name] = subprocess.Popen(
                 [sys.executable, "-m", "bcstack", *service.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -549,10 +552,12 @@ def up(
                 start_new_session=True,  # its own process group: `down` stops it and its children
             )
             log.close()
-            service.pid = proc.pid
+            service.pid = procs[service.name].pid
             started.append(service)
-            _write_state(state, started, described)
-            deadline = time.monotonic() + timeout
+        _write_state(state, started, described)
+        deadline = time.monotonic() + timeout
+        for service in services:
+            proc = procs[service.name]
             while not _healthy(service.http):
                 if proc.poll() is not None:
                     raise StackError(
@@ -561,7 +566,7 @@ def up(
                     )
                 if time.monotonic() > deadline:
                     raise StackError(f"{service.name} was not healthy within {timeout:.0f} s; see {logs}")
-                time.sleep(0.2)
+                time.sleep(0.1)
             say(f"  {service.name:16s} {service.http}" + (f"  gRPC {service.grpc}" if service.grpc else ""))
     except BaseException:
         _stop(started)

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from core import protocol as p
 from core.budget import CONTEXT_LENGTH, MAX_NEW_TOKENS_PER_TURN, MAX_TOKENS, MAX_TURNS
-from services.worker.reload import OUTCOMES, Outcome
+from services.worker.reload import CANARY_STEPS, OUTCOMES, CanaryStep, Outcome
 from services.worker.runner import EpisodeResult, ToolCallRecord, TurnRecord
 from services.worker.settings import WorkerSettings
 
@@ -124,6 +124,16 @@ class WorkerMetrics:
         )
         for outcome in OUTCOMES:
             self.reloads.labels(outcome)
+        self.canary_reloads = Counter(
+            "bcstack_worker_canary_reloads_total",
+            "Reloads by `bcstack worker reload --canary`, by step (canary: the canaries' reload, promote: "
+            "the other replicas' after the canaries passed, rollback: the canaries' way back) and outcome.",
+            ["step", "outcome"],
+            registry=registry,
+        )
+        for step in CANARY_STEPS:
+            for outcome in OUTCOMES:
+                self.canary_reloads.labels(step, outcome)
         self.reload_seconds = Histogram(
             "bcstack_worker_reload_duration_seconds",
             "Wall time of a reload attempt (verification included).",
@@ -153,6 +163,9 @@ class WorkerMetrics:
         self.reload_seconds.observe(seconds)
         if paused_seconds is not None:
             self.reload_paused.observe(paused_seconds)
+
+    def canary_step(self, step: CanaryStep, outcome: Outcome) -> None:
+        self.canary_reloads.labels(step, outcome).inc()
 
     def weight_version(self, version: str | None) -> None:
         if version == self._weight_version:

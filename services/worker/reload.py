@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 Outcome = Literal["ok", "rejected", "failed"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "rejected", "failed")
+# What a reload is for, as `bcstack worker reload --canary` tags it (counted per step in metrics):
+# the canaries' reload, the other replicas' once the canaries passed, the canaries' way back.
+CanaryStep = Literal["canary", "promote", "rollback"]
+CANARY_STEPS: tuple[CanaryStep, ...] = ("canary", "promote", "rollback")
 DISABLED_MESSAGE = "reload is disabled: set BCSTACK_WORKER_CHECKPOINT_ROOT"
 HISTORY = 20
 
@@ -62,6 +66,8 @@ class ReloadMetrics:
     """What the manager reports; `WorkerMetrics` implements it on the worker's registry."""
 
     def reload(self, outcome: Outcome, seconds: float, paused_seconds: float | None) -> None: ...
+
+    def canary_step(self, step: CanaryStep, outcome: Outcome) -> None: ...
 
     def weight_version(self, version: str | None) -> None: ...
 
@@ -107,6 +113,8 @@ class ReloadManager:
         self._verify = verify
         self.attempts: deque[ReloadAttempt] = deque(maxlen=HISTORY)
         self.running = False
+        # The folder the served weights came from: the last successful reload's, None until one.
+        self.checkpoint: Path | None = None
 
     async def status(self) -> dict[str, Any]:
         try:
@@ -119,11 +127,16 @@ class ReloadManager:
         return {
             "weight_version": version,
             "checkpoint_root": str(self.checkpoint_root) if self.checkpoint_root is not None else None,
+            # None: the weights the engine started with (no reload yet in this worker's life).
+            "checkpoint": str(self.checkpoint) if self.checkpoint is not None else None,
             "attempts": [asdict(a) for a in self.attempts],
         }
 
-    async def reload(self, checkpoint: str, weight_version: str | None = None) -> dict[str, Any]:
-        """Run one reload; the success body, or ReloadRefused(status, error)."""
+    async def reload(
+        self, checkpoint: str, weight_version: str | None = None, canary_step: CanaryStep | None = None
+    ) -> dict[str, Any]:
+        """Run one reload; the success body, or ReloadRefused(status, error). `canary_step` (set by
+        a canary reload) counts the attempt under that step too."""
         if self.checkpoint_root is None:
             raise ReloadRefused(403, DISABLED_MESSAGE)
         if self.running:  # checked and set with no await between: atomic on the event loop
@@ -145,12 +158,17 @@ class ReloadManager:
             outcome: Outcome = "rejected" if e.status < 500 else "failed"
             error = "; ".join([e.error, *notes])
             self._record(checkpoint, version, outcome, error, started_at, started, paused)
+            if canary_step is not None:
+                self.metrics.canary_step(canary_step, outcome)
             log.warning("reload of %s %s: %s", checkpoint, outcome, error)
             raise ReloadRefused(e.status, error) from None
         finally:
             self.running = False
         note = "; ".join(notes) or None
         seconds = self._record(checkpoint, version, "ok", note, started_at, started, paused)
+        self.checkpoint = path
+        if canary_step is not None:
+            self.metrics.canary_step(canary_step, "ok")
         self.metrics.weight_version(version)
         log.info("reloaded %s as %s (was %s) in %.2f s", path, version, previous, seconds)
         return {

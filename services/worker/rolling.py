@@ -84,12 +84,15 @@ async def _reload_one(
     timeout: float,
     poll_interval: float,
     progress: Callable[[ProgressStage, str], None],
+    canary_step: str | None = None,
 ) -> ReplicaResult:
     started = time.monotonic()
     deadline = started + timeout
     body: dict[str, Any] = {"checkpoint": checkpoint}
     if weight_version is not None:
         body["weight_version"] = weight_version
+    if canary_step is not None:
+        body["canary_step"] = canary_step
     progress("reloading", f"POST {ADMIN_RELOAD_PATH} {checkpoint}")
     try:
         response = await client.post(f"{url}{ADMIN_RELOAD_PATH}", json=body, headers=headers, timeout=timeout)
@@ -137,12 +140,14 @@ async def rolling_reload(
     timeout: float,
     on_progress: Callable[[ReplicaProgress], None] | None = None,
     poll_interval: float = 0.25,
+    canary_step: str | None = None,
 ) -> list[ReplicaResult]:
     """Reload `urls` one at a time with the checkpoint at `checkpoint_on_workers` (the path as the
     workers see it); stop at the first failure. Returns one result per URL, in order: `reloaded`,
     one `failed` (with the reason), then `skipped` ones, whose `weight_version` is what they still
     serve (None when that could not be read). `timeout` bounds each replica (POST plus waiting).
     `weight_version` None lets each worker name the version and waits for the one its POST returned.
+    `canary_step` tags each POST for the workers' canary metrics (`bcstack worker reload --canary`).
     """
     headers = {"Authorization": f"Bearer {token}"}
     notify = on_progress or (lambda _event: None)
@@ -156,7 +161,15 @@ async def rolling_reload(
                 notify(ReplicaProgress(index, total, url, stage, message))
 
             result = await _reload_one(
-                client, url, checkpoint_on_workers, weight_version, headers, timeout, poll_interval, progress
+                client,
+                url,
+                checkpoint_on_workers,
+                weight_version,
+                headers,
+                timeout,
+                poll_interval,
+                progress,
+                canary_step,
             )
             results.append(result)
             progress(result.state, result.error or f"now serving {result.weight_version!r}")

@@ -34,7 +34,7 @@ from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.gate import ModelStopGate
 from services.worker.metrics import WorkerMetrics
 from services.worker.prompts import WORKER_SYSTEM_PROMPT
-from services.worker.reload import ReloadManager, ReloadRefused
+from services.worker.reload import CanaryStep, ReloadManager, ReloadRefused
 from services.worker.runner import (
     EpisodeResult,
     EpisodeRunner,
@@ -256,6 +256,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 class ReloadRequest(BaseModel):
     checkpoint: str = Field(description="folder relative to checkpoint_root, or an absolute path inside it")
     weight_version: str | None = Field(None, description="version the engine reports; default: folder name")
+    canary_step: CanaryStep | None = Field(
+        None, description="set by `bcstack worker reload --canary`: counted per step in metrics"
+    )
 
 
 def watcher_for(settings: WorkerSettings, manager: ReloadManager) -> Any:
@@ -275,20 +278,21 @@ def watcher_for(settings: WorkerSettings, manager: ReloadManager) -> Any:
     )
 
 
-def add_reload_routes(app: FastAPI, manager: ReloadManager) -> None:
-    """`POST /admin/reload` and `GET /admin/reload` (admin token; see services/worker/reload.py)."""
+def add_reload_routes(app: FastAPI, manager: ReloadManager, grpc_port: int | None = None) -> None:
+    """`POST /admin/reload` and `GET /admin/reload` (admin token; see services/worker/reload.py).
+    The status also names the worker's gRPC port, where a canary evaluation sends its episodes."""
     admin = [Depends(require_admin)]
 
     @app.post("/admin/reload", dependencies=admin)
     async def reload(body: ReloadRequest) -> Any:
         try:
-            return await manager.reload(body.checkpoint, body.weight_version)
+            return await manager.reload(body.checkpoint, body.weight_version, body.canary_step)
         except ReloadRefused as e:
             return JSONResponse({"status": "failed", "error": e.error}, status_code=e.status)
 
     @app.get("/admin/reload", dependencies=admin)
     async def reload_status() -> Any:
-        return await manager.status()
+        return {**await manager.status(), "grpc_port": grpc_port}
 
     app.state.reload_manager = manager
 
@@ -365,7 +369,7 @@ def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
         health_check=lambda: {"active_episodes": core.active, "uptime_s": round(time.time() - started)},
         lifespan=lifespan,
     )
-    add_reload_routes(app, manager)
+    add_reload_routes(app, manager, settings.grpc_port)
     server = None
     if settings.grpc_port is not None:
         server = GrpcServer(SERVICE, settings, registry)
