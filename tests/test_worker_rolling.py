@@ -31,10 +31,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from typer.testing import CliRunner
 
+from bcstack.reload_cli import app
 from core.checkpoint import SUMS_FILE, VerifyError, verify_checkpoint
 from devkit.modelkit.build import build_tiny_kit
 from services.worker import rolling
-from bcstack.reload_cli import app
 from services.worker.rolling import ReplicaDiscoveryError, k8s_worker_urls
 from services.worker.watch import CheckpointWatcher
 from trainer.export import export_checkpoint
