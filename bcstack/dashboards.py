@@ -342,6 +342,16 @@ TRAINING: Rows = [
                 kind="stat",
             ),
             Panel(
+                "Canary reloads by step and outcome (bcstack worker reload --canary)",
+                [
+                    Query(
+                        "sum by (step, outcome) "
+                        f"(increase(bcstack_worker_canary_reloads_total{{{NS}}}[{RATE}]))",
+                        "{{step}} {{outcome}}",
+                    )
+                ],
+            ),
+            Panel(
                 "Groups dropped or excluded per update",
                 [
                     _increase("bcstack_trainer_dropped_stale_total", "stale"),

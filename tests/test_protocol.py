@@ -1,8 +1,13 @@
-"""The worker protocol: parsing never raises, renders round-trip, observations are byte-exact."""
+"""The worker protocol: parsing never raises, renders round-trip, observations are byte-exact.
+
+The property tests run 400-800 examples each in `make test`; fuzz at depth with
+`BCSTACK_FUZZ_DEPTH=25 python -m pytest tests/test_protocol.py` (25x: 10,000-20,000 each).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import string
 
 import pytest
@@ -10,6 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core import protocol as p
+
+FUZZ_DEPTH = float(os.environ.get("BCSTACK_FUZZ_DEPTH", "1"))
+
+
+def examples(depth_one: int) -> int:
+    """Hypothesis examples: `depth_one` / 5 x BCSTACK_FUZZ_DEPTH (1 in the suite), at least 50."""
+    return max(50, int(depth_one / 5 * FUZZ_DEPTH))
+
 
 # --- parsing -------------------------------------------------------------------------------------
 
@@ -175,7 +188,7 @@ _MARKERS = ("<function=", "</function>", "<parameter=", "</parameter>", "<think>
 values = st.text(max_size=200).filter(lambda v: not any(m in v for m in _MARKERS))
 
 
-@settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(4000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.text(max_size=2000))
 def test_never_raises_on_arbitrary_text(text):
     calls = p.parse_calls(text)
@@ -184,7 +197,7 @@ def test_never_raises_on_arbitrary_text(text):
         p.validate_call(c)
 
 
-@settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(4000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tag_soup)
 def test_never_raises_on_truncated_and_nested_tags(text):
     for c in p.parse_calls(text):
@@ -192,7 +205,9 @@ def test_never_raises_on_truncated_and_nested_tags(text):
 
 
 @settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    max_examples=examples(300),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(st.integers(min_value=10_000, max_value=400_000), st.sampled_from(TAGS))
 def test_never_raises_on_huge_parameters(size, tag):
@@ -208,7 +223,7 @@ NATIVE_TAGS = [
 native_soup = st.lists(st.one_of(fragments, st.sampled_from(NATIVE_TAGS)), max_size=80).map("".join)
 
 
-@settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(4000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(native_soup, st.booleans(), st.booleans(), st.booleans())
 def test_never_raises_on_native_tag_soup_with_any_switches(text, strip, ignore_reasoning, string_is_one):
     calls = p.parse_calls(
@@ -223,7 +238,7 @@ def test_never_raises_on_native_tag_soup_with_any_switches(text, strip, ignore_r
         assert isinstance(p.validate_call(c), p.Action)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=examples(2000), deadline=None)
 @given(
     st.recursive(
         st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
@@ -245,13 +260,13 @@ well_formed_call = st.builds(
 )
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=examples(3000), deadline=None)
 @given(st.lists(well_formed_call, min_size=1, max_size=4))
 def test_render_then_parse_round_trips(calls):
     assert p.parse_calls(p.render_calls(calls)) == calls
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=examples(2000), deadline=None)
 @given(
     st.lists(
         well_formed_call.filter(

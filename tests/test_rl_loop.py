@@ -86,7 +86,13 @@ def rl_stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     state = root / "stack"
     info = up(
-        state, worker="tiny", docs=600, questions_per_tier=3, train_questions=(30, 20), say=lambda _m: None
+        state,
+        worker="tiny",
+        docs=600,
+        questions_per_tier=3,
+        train_questions=(30, 20),
+        dense="none",
+        say=lambda _m: None,
     )
     golds = {
         q["query"]: q["answer"]
