@@ -131,13 +131,18 @@ def _pick_port(preferred: int | None, taken: set[int]) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie is not: it has exited and waits for a parent that is not us to reap it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: signal 0 is all we can tell
+    return stat[stat.rfind(")") + 2 :].split(" ", 1)[0] != "Z"
 
 
 def read_state(state: Path) -> dict[str, Any] | None:

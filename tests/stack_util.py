@@ -81,3 +81,26 @@ def bcstack_process(
     finally:
         process.stop()
         log_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def bcstack_processes(
+    specs: list[tuple[list[str], str]], timeout: float = 120, env: dict[str, str] | None = None
+) -> Iterator[list[BcstackProcess]]:
+    """Several `bcstack_process`es started at once (their imports overlap on the cores), each then
+    waited for; stopped in reverse order. `specs`: (args, health URL) per process."""
+    with contextlib.ExitStack() as stack:
+        started: list[tuple[BcstackProcess, str]] = []
+        for args, health_url in specs:
+            log_path = Path(tempfile.mkstemp(prefix="bcstack-", suffix=".log")[1])
+            process = BcstackProcess(args, log_path, env)
+            stack.callback(log_path.unlink, missing_ok=True)
+            stack.callback(process.stop)
+            started.append((process, health_url))
+        for process, health_url in started:
+            try:
+                process.wait_healthy(health_url, timeout)
+            except BaseException:
+                print(f"--- log of bcstack {' '.join(process.args[:2])} ---\n{process.log()[-6000:]}")
+                raise
+        yield [process for process, _ in started]

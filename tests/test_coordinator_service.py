@@ -21,7 +21,7 @@ import pytest
 import yaml
 from conftest import find_free_port, link_toy_kit, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from stack_util import bcstack_process
+from stack_util import bcstack_process, bcstack_processes
 
 from core.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -97,39 +97,47 @@ def stack(tmp_path_factory, toy_kit):
         "retrieval": f"{LOCAL}:{ports['r_grpc']}",
         "workers": [f"{LOCAL}:{ports['w1g']}", f"{LOCAL}:{ports['w2g']}"],
     }
+
+    def worker_spec(http: int, grpc_port: int) -> tuple[list[str], str]:
+        args = ["serve", "worker", "--tokenizer", str(tmp / "tiny"), "--engine-url", state["engine"]]
+        args += ["--retrieval", state["retrieval"], "--port", str(http), "--grpc-port", str(grpc_port)]
+        return args, _url(http, "/health")
+
     with contextlib.ExitStack() as es:
         es.enter_context(
-            bcstack_process(
+            bcstack_processes(
                 [
-                    "serve",
-                    "retrieval",
-                    "--index-dir",
-                    str(tmp / "idx"),
-                    "--port",
-                    str(ports["r_http"]),
-                    "--grpc-port",
-                    str(ports["r_grpc"]),
-                ],
-                _url(ports["r_http"], "/health"),
+                    (
+                        [
+                            "serve",
+                            "retrieval",
+                            "--index-dir",
+                            str(tmp / "idx"),
+                            "--port",
+                            str(ports["r_http"]),
+                            "--grpc-port",
+                            str(ports["r_grpc"]),
+                        ],
+                        _url(ports["r_http"], "/health"),
+                    ),
+                    (
+                        [
+                            "serve",
+                            "engine",
+                            "--policy",
+                            "expert",
+                            "--tokenizer",
+                            str(tmp / "tiny"),
+                            "--port",
+                            str(ports["e_http"]),
+                        ],
+                        _url(ports["e_http"], "/health"),
+                    ),
+                    worker_spec(ports["w1"], ports["w1g"]),
+                    worker_spec(ports["w2"], ports["w2g"]),
+                ]  # fmt: skip
             )
         )
-        es.enter_context(
-            bcstack_process(
-                [
-                    "serve",
-                    "engine",
-                    "--policy",
-                    "expert",
-                    "--tokenizer",
-                    str(tmp / "tiny"),
-                    "--port",
-                    str(ports["e_http"]),
-                ],
-                _url(ports["e_http"], "/health"),
-            )
-        )
-        es.enter_context(worker(state, ports["w1"], ports["w1g"]))
-        es.enter_context(worker(state, ports["w2"], ports["w2g"]))
         state["llm_a"] = es.enter_context(coordinator_llm("coord-a"))
         state["llm_b"] = es.enter_context(coordinator_llm("coord-b"))
         yield state

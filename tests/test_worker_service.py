@@ -23,7 +23,7 @@ import pytest
 from conftest import find_free_port, link_toy_kit, wait_until
 from prom_util import prometheus, query
 from prometheus_client.parser import text_string_to_metric_families
-from stack_util import bcstack_process
+from stack_util import bcstack_process, bcstack_processes
 
 from core import protocol as p
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -36,35 +36,33 @@ def stack(tmp_path_factory, toy_kit):
     world = toy_kit["world"]
     link_toy_kit(toy_kit, tmp)
     ports = {name: find_free_port() for name in ("r_http", "r_grpc", "e_http", "t_http", "w_http", "w_grpc")}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(
-            bcstack_process(
-                ["serve", "retrieval", "--index-dir", str(tmp / "idx"), "--port", str(ports["r_http"]),
-                 "--grpc-port", str(ports["r_grpc"])],
+    expert = ["serve", "engine", "--policy", "expert", "--tokenizer", str(tmp / "tiny")]
+    worker = ["serve", "worker", "--tokenizer", str(tmp / "tiny"), "--engine-url",
+              f"http://127.0.0.1:{ports['e_http']}", "--retrieval", f"127.0.0.1:{ports['r_grpc']}",
+              "--port", str(ports["w_http"]), "--grpc-port", str(ports["w_grpc"])]  # fmt: skip
+    with bcstack_processes(
+        [
+            (
+                [
+                    "serve",
+                    "retrieval",
+                    "--index-dir",
+                    str(tmp / "idx"),
+                    "--port",
+                    str(ports["r_http"]),
+                    "--grpc-port",
+                    str(ports["r_grpc"]),
+                ],
                 f"http://127.0.0.1:{ports['r_http']}/health",
-            )
-        )  # fmt: skip
-        expert = ["serve", "engine", "--policy", "expert", "--tokenizer", str(tmp / "tiny")]
-        stack.enter_context(
-            bcstack_process(
-                [*expert, "--port", str(ports["e_http"])], f"http://127.0.0.1:{ports['e_http']}/health"
-            )
-        )
-        stack.enter_context(
-            bcstack_process(
+            ),
+            ([*expert, "--port", str(ports["e_http"])], f"http://127.0.0.1:{ports['e_http']}/health"),
+            (
                 ["serve", "engine", "--model", str(tmp / "tiny"), "--port", str(ports["t_http"])],
                 f"http://127.0.0.1:{ports['t_http']}/health",
-            )
-        )
-        stack.enter_context(
-            _worker(
-                tmp / "tiny",
-                f"http://127.0.0.1:{ports['e_http']}",
-                f"127.0.0.1:{ports['r_grpc']}",
-                ports["w_http"],
-                ports["w_grpc"],
-            )
-        )
+            ),
+            (worker, f"http://127.0.0.1:{ports['w_http']}/health"),
+        ]  # fmt: skip
+    ):
         channel = grpc.insecure_channel(f"127.0.0.1:{ports['w_grpc']}")
         yield {"tmp": tmp, "world": world, "ports": ports, "stub": worker_pb2_grpc.WorkerServiceStub(channel)}
         channel.close()
