@@ -85,15 +85,16 @@ def bcstack_process(
 
 @contextlib.contextmanager
 def bcstack_processes(
-    specs: list[tuple[list[str], str]], timeout: float = 120, env: dict[str, str] | None = None
+    specs: list[tuple], timeout: float = 120, env: dict[str, str] | None = None
 ) -> Iterator[list[BcstackProcess]]:
     """Several `bcstack_process`es started at once (their imports overlap on the cores), each then
-    waited for; stopped in reverse order. `specs`: (args, health URL) per process."""
+    waited for; stopped in reverse order. `specs`: (args, health URL) or (args, health URL, env)
+    per process; a spec's env replaces `env`."""
     with contextlib.ExitStack() as stack:
         started: list[tuple[BcstackProcess, str]] = []
-        for args, health_url in specs:
+        for args, health_url, *own in specs:
             log_path = Path(tempfile.mkstemp(prefix="bcstack-", suffix=".log")[1])
-            process = BcstackProcess(args, log_path, env)
+            process = BcstackProcess(args, log_path, own[0] if own else env)
             stack.callback(log_path.unlink, missing_ok=True)
             stack.callback(process.stop)
             started.append((process, health_url))

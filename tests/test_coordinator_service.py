@@ -47,13 +47,31 @@ def _llm_requests(port: int, outcome: str = "ok") -> float:
     return _metrics(port)[("bcstack_coordinator_llm_requests_total", (("outcome", outcome),))]
 
 
-@contextlib.contextmanager
-def coordinator_llm(model: str, **faults):
+def coordinator_llm_spec(model: str, **faults) -> tuple[tuple, dict]:
+    """(a `bcstack_processes` spec, the endpoint) of a stand-in coordinator LLM with `faults`."""
     port = find_free_port()
     env = {f"BCSTACK_COORDINATOR_LLM_{k.upper()}": str(v) for k, v in faults.items()}
     args = ["serve", "coordinator-llm", "--port", str(port), "--model-name", model]
-    with bcstack_process(args, _url(port, "/health"), env=env):
-        yield {"port": port, "base_url": _url(port, "/v1"), "model": model}
+    return (args, _url(port, "/health"), env), {
+        "port": port,
+        "base_url": _url(port, "/v1"),
+        "model": model,
+    }
+
+
+@contextlib.contextmanager
+def coordinator_llm(model: str, **faults):
+    spec, endpoint = coordinator_llm_spec(model, **faults)
+    with bcstack_process(spec[0], spec[1], env=spec[2]):
+        yield endpoint
+
+
+@contextlib.contextmanager
+def coordinator_llms(**specs: dict):
+    """Several stand-in LLMs started at once: name -> faults (with "model"); yields name -> endpoint."""
+    built = {name: coordinator_llm_spec(**faults) for name, faults in specs.items()}
+    with bcstack_processes([spec for spec, _ in built.values()]):
+        yield {name: endpoint for name, (_, endpoint) in built.items()}
 
 
 def worker(stack, http: int, grpc_port: int, env: dict[str, str] | None = None):
@@ -353,17 +371,15 @@ def test_upstream_faults_and_a_killed_worker_never_lose_an_episode(stack):
     ports = {"w3": find_free_port(), "w3g": find_free_port()}
     w3_address = f"{LOCAL}:{ports['w3g']}"
     with contextlib.ExitStack() as es:
-        llms = {
-            "r429": es.enter_context(
-                coordinator_llm("m429", fail_rate=0.5, fail_mode="http429", retry_after_seconds=1)
-            ),
-            "r500": es.enter_context(coordinator_llm("m500", fail_rate=0.5, fail_mode="http500")),
-            "garbage": es.enter_context(coordinator_llm("mgarbage", fail_rate=0.5, fail_mode="garbage")),
-            "hang": es.enter_context(
-                coordinator_llm("mhang", fail_rate=0.3, fail_mode="hang", hang_seconds=20)
-            ),
-            "down": es.enter_context(coordinator_llm("mdown", fail_rate=1.0, fail_mode="http500")),
-        }
+        llms = es.enter_context(
+            coordinator_llms(
+                r429={"model": "m429", "fail_rate": 0.5, "fail_mode": "http429", "retry_after_seconds": 1},
+                r500={"model": "m500", "fail_rate": 0.5, "fail_mode": "http500"},
+                garbage={"model": "mgarbage", "fail_rate": 0.5, "fail_mode": "garbage"},
+                hang={"model": "mhang", "fail_rate": 0.3, "fail_mode": "hang", "hang_seconds": 20},
+                down={"model": "mdown", "fail_rate": 1.0, "fail_mode": "http500"},
+            )
+        )
         w3 = es.enter_context(worker(stack, ports["w3"], ports["w3g"]))
         endpoints = [
             {"name": name, **llm, "extra": {"timeout_seconds": 2.0} if name == "hang" else {}}

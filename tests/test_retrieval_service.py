@@ -256,7 +256,7 @@ def test_index_rerun_is_a_no_op(index_dir, world_dir):
 
 
 def test_killed_ingest_resumes_without_duplicates(world_dir, tmp_path):
-    n = 400  # a slice of the toy corpus keeps the two ingests short
+    n = 160  # a slice of the toy corpus (five batches) keeps the two ingests short
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join((world_dir / "corpus.jsonl").read_text().splitlines(keepends=True)[:n]))
     index = tmp_path / "idx"

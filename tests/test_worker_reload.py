@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from safetensors.torch import load_file, save_file
-from stack_util import bcstack_process
+from stack_util import bcstack_processes
 
 from core.checkpoint import write_sha256sums
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -58,27 +58,20 @@ def stack(tmp_path_factory, toy_kit):
     env = {"BCSTACK_ADMIN_TOKEN": TOKEN}
     with contextlib.ExitStack() as stack:
         stack.enter_context(
-            bcstack_process(
-                ["serve", "engine", "--model", str(tmp / "a"), "--port", str(ports["e_http"])],
-                f"http://127.0.0.1:{ports['e_http']}/health",
-                env=env,
-            )
-        )
-        stack.enter_context(
-            bcstack_process(
-                ["serve", "retrieval", "--index-dir", str(toy_kit["dir"] / "idx"),
-                 "--port", str(ports["r_http"]), "--grpc-port", str(ports["r_grpc"])],
-                f"http://127.0.0.1:{ports['r_http']}/health",
-            )
-        )  # fmt: skip
-        stack.enter_context(
-            bcstack_process(
-                ["serve", "worker", "--tokenizer", str(tmp / "a"),
-                 "--engine-url", f"http://127.0.0.1:{ports['e_http']}",
-                 "--retrieval", f"127.0.0.1:{ports['r_grpc']}",
-                 "--port", str(ports["w_http"]), "--grpc-port", str(ports["w_grpc"])],
-                f"http://127.0.0.1:{ports['w_http']}/health",
-                env={**env, "BCSTACK_WORKER_CHECKPOINT_ROOT": str(root)},
+            bcstack_processes(
+                [
+                    (["serve", "engine", "--model", str(tmp / "a"), "--port", str(ports["e_http"])],
+                     f"http://127.0.0.1:{ports['e_http']}/health", env),
+                    (["serve", "retrieval", "--index-dir", str(toy_kit["dir"] / "idx"),
+                      "--port", str(ports["r_http"]), "--grpc-port", str(ports["r_grpc"])],
+                     f"http://127.0.0.1:{ports['r_http']}/health"),
+                    (["serve", "worker", "--tokenizer", str(tmp / "a"),
+                      "--engine-url", f"http://127.0.0.1:{ports['e_http']}",
+                      "--retrieval", f"127.0.0.1:{ports['r_grpc']}",
+                      "--port", str(ports["w_http"]), "--grpc-port", str(ports["w_grpc"])],
+                     f"http://127.0.0.1:{ports['w_http']}/health",
+                     {**env, "BCSTACK_WORKER_CHECKPOINT_ROOT": str(root)}),
+                ]
             )
         )  # fmt: skip
         channel = grpc.insecure_channel(f"127.0.0.1:{ports['w_grpc']}")
