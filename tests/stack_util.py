@@ -105,3 +105,18 @@ def bcstack_processes(
                 print(f"--- log of bcstack {' '.join(process.args[:2])} ---\n{process.log()[-6000:]}")
                 raise
         yield [process for process, _ in started]
+
+
+def retrieval_spec(index_dir: Path, http: int, grpc_port: int) -> tuple[list[str], str]:
+    """A `bcstack_processes` spec of the retrieval service on `index_dir`."""
+    args = [
+        "serve",
+        "retrieval",
+        "--index-dir",
+        str(index_dir),
+        "--port",
+        str(http),
+        "--grpc-port",
+        str(grpc_port),
+    ]
+    return args, f"http://127.0.0.1:{http}/health"

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from conftest import find_free_port, link_toy_kit, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from stack_util import bcstack_process, bcstack_processes
+from stack_util import bcstack_process, bcstack_processes, retrieval_spec
 
 from core.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -125,19 +125,7 @@ def stack(tmp_path_factory, toy_kit):
         es.enter_context(
             bcstack_processes(
                 [
-                    (
-                        [
-                            "serve",
-                            "retrieval",
-                            "--index-dir",
-                            str(tmp / "idx"),
-                            "--port",
-                            str(ports["r_http"]),
-                            "--grpc-port",
-                            str(ports["r_grpc"]),
-                        ],
-                        _url(ports["r_http"], "/health"),
-                    ),
+                    retrieval_spec(tmp / "idx", ports["r_http"], ports["r_grpc"]),
                     (
                         [
                             "serve",

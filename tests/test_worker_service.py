@@ -23,7 +23,7 @@ import pytest
 from conftest import find_free_port, link_toy_kit, wait_until
 from prom_util import prometheus, query
 from prometheus_client.parser import text_string_to_metric_families
-from stack_util import bcstack_process, bcstack_processes
+from stack_util import bcstack_process, bcstack_processes, retrieval_spec
 
 from core import protocol as p
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -42,19 +42,7 @@ def stack(tmp_path_factory, toy_kit):
               "--port", str(ports["w_http"]), "--grpc-port", str(ports["w_grpc"])]  # fmt: skip
     with bcstack_processes(
         [
-            (
-                [
-                    "serve",
-                    "retrieval",
-                    "--index-dir",
-                    str(tmp / "idx"),
-                    "--port",
-                    str(ports["r_http"]),
-                    "--grpc-port",
-                    str(ports["r_grpc"]),
-                ],
-                f"http://127.0.0.1:{ports['r_http']}/health",
-            ),
+            retrieval_spec(tmp / "idx", ports["r_http"], ports["r_grpc"]),
             ([*expert, "--port", str(ports["e_http"])], f"http://127.0.0.1:{ports['e_http']}/health"),
             (
                 ["serve", "engine", "--model", str(tmp / "tiny"), "--port", str(ports["t_http"])],
