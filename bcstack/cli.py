@@ -56,7 +56,8 @@ app.command("search")(retrieval_cli.search)
 app.add_typer(loadtest_app, name="loadtest")
 app.add_typer(eval_app, name="eval")
 train_app = typer.Typer(
-    help="The trainer: SFT, GRPO steps from episode records, the RL loop, serving-format export.",
+    help="The trainer: SFT, GRPO (episode records, or single-turn domains with LoRA), the RL loop, "
+    "serving-format export, LoRA merge, multi-teacher on-policy distillation.",
     no_args_is_help=True,
 )
 train_app.command("sft")(sft_cli.sft)
@@ -65,6 +66,8 @@ train_app.command("grpo")(trainer_cli.grpo)
 train_app.command("rl")(rl_cli.rl)
 train_app.command("report")(rl_report.report)
 train_app.command("export")(trainer_cli.export)
+train_app.command("merge-lora")(trainer_cli.merge_lora_command)
+train_app.command("distill")(trainer_cli.distill)
 app.add_typer(train_app, name="train")
 checkpoint_app = typer.Typer(help="Serving-format checkpoints.", no_args_is_help=True)
 checkpoint_app.command("verify")(trainer_cli.verify)

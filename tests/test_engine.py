@@ -25,11 +25,11 @@ import pytest
 import torch
 from conftest import find_free_port, wait_until
 
+from core import engine_client as ec
 from core.chat_template import render_chat
 from devkit.modelkit.build import build_tiny_kit
 from devkit.modelkit.model import build_tiny_qwen3
 from services.engine.scripted import parse_chatml
-from services.worker import engine_client as ec
 
 ADMIN = "test-admin-token"
 CONTEXT = 2048

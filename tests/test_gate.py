@@ -14,9 +14,9 @@ from transformers import AutoTokenizer
 
 from core import protocol as p
 from core.chat_template import render_chat
+from core.engine_client import EngineUnavailable
 from core.gate import CONTINUE, GATE_QUESTION, GATE_STOP_MESSAGE, STOP, parse_decision
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy
-from services.worker.engine_client import EngineUnavailable
 from services.worker.gate import ModelStopGate
 from services.worker.runner import EpisodeRunner
 from trainer.gate_rows import decision_points, messages_from_tokens

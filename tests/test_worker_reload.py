@@ -29,10 +29,10 @@ from safetensors.torch import load_file, save_file
 from stack_util import bcstack_processes
 
 from core.checkpoint import write_sha256sums
+from core.engine_client import EngineError
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from devkit.modelkit.build import build_tiny_kit
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE
-from services.worker.engine_client import EngineError
 from services.worker.reload import DISABLED_MESSAGE, ReloadManager, ReloadRefused, resolve_checkpoint
 from services.worker.service import add_reload_routes
 from trainer.export import export_checkpoint

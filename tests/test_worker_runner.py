@@ -16,10 +16,10 @@ from toy_env import ToyRetrieval
 from core import protocol as p
 from core.budget import BudgetLimits
 from core.chat_template import render_chat
+from core.engine_client import EngineError, EngineUnavailable
 from devkit.modelkit.build import build_tiny_kit
 from devkit.toyworld.generator import generate_world
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy
-from services.worker.engine_client import EngineError, EngineUnavailable
 from services.worker.prompts import WORKER_SYSTEM_PROMPT
 from services.worker.retrieval_client import RetrievalFailed
 from services.worker.runner import EpisodeRunner, ProtocolSettings

@@ -170,19 +170,33 @@ class MixedVersions(StrEnum):
 
 @app.command("grpo")
 def grpo(
-    records: Path = typer.Option(
-        ...,
+    records: Path | None = typer.Option(
+        None,
         "--records",
-        help="Episode records: the coordinator gateway's SQLite record file or a JSONL file of records.",
+        help="Episode records: the coordinator gateway's SQLite record file or a JSONL file of records. "
+        "Required unless --env.",
+        show_default=False,
     ),
     model: Path = typer.Option(
         ..., "--model", help="Policy to train: an HF model folder (its tokenizer goes to the export)."
     ),
-    ref: Path = typer.Option(..., "--ref", help="Frozen KL reference (the SFT model), an HF model folder."),
+    ref: Path | None = typer.Option(
+        None,
+        "--ref",
+        help="Frozen KL reference (the SFT model), an HF model folder. Required unless --env.",
+        show_default=False,
+    ),
     out: Path = typer.Option(
         ..., "--out", help="Run folder: metrics.jsonl, checkpoints/ and the serving export serving/."
     ),
-    lr: float = typer.Option(1e-6, "--lr", min=0.0, help="AdamW learning rate (seed 000: 1e-6)."),
+    lr: float | None = typer.Option(
+        None,
+        "--lr",
+        min=0.0,
+        help="Learning rate. Default: AdamW 1e-6 for episode records (seed 000), Adam 1e-5 with --env "
+        "(seed 004).",
+        show_default=False,
+    ),
     micro_batch_tokens: int = typer.Option(
         budget.MAX_TOKENS,
         "--micro-batch-tokens",
@@ -214,8 +228,117 @@ def grpo(
         help="Tensor-parallel size. Under torchrun the job's processes form a [dp, tp] mesh, "
         "dp = world size / tp (FSDP2 on dp); one process takes --tp 1.",
     ),
+    env: str | None = typer.Option(
+        None,
+        "--env",
+        help="Single-turn domain RL instead of episode records (seed 004): math, code or if, the "
+        "verifier that grades each response. Needs --engine and --prompts; trains a LoRA adapter.",
+        show_default=False,
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    engine: str | None = typer.Option(
+        None,
+        "--engine",
+        help="Engine serving --model (SGLang or `bcstack serve engine --model` the same folder); it is "
+        "hot-reloaded with the merged policy after each update (admin token: $BCSTACK_ADMIN_TOKEN).",
+        show_default=False,
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    prompts: Path | None = typer.Option(
+        None,
+        "--prompts",
+        help="Training rows, JSONL: prompt (text or messages) + label (DAPO-Math-17k's form).",
+        show_default=False,
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    dev_prompts: Path | None = typer.Option(
+        None,
+        "--dev-prompts",
+        help="Development rows scored greedily every --eval-every updates.",
+        show_default=False,
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    eval_every: int = typer.Option(
+        5,
+        "--eval-every",
+        min=1,
+        rich_help_panel="Single-turn domain RL (--env)",
+        help="Updates between development scores.",
+    ),
+    lora_rank: int = typer.Option(
+        16,
+        "--lora-rank",
+        min=1,
+        help="LoRA rank (seed 004: 16).",
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    lora_alpha: int = typer.Option(
+        32,
+        "--lora-alpha",
+        min=1,
+        help="LoRA alpha (seed 004: 32).",
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    lora_targets: str = typer.Option(
+        "attn,mlp,lm_head",
+        "--lora-targets",
+        help="Adapted module groups: attn, mlp, lm_head.",
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    prompts_per_step: int = typer.Option(
+        32,
+        "--prompts-per-step",
+        min=1,
+        help="Prompts per update (seed 004: up to 32).",
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    responses: int = typer.Option(
+        8,
+        "--responses",
+        min=2,
+        help="Responses per prompt (seed 004: 8).",
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    max_response_tokens: int = typer.Option(
+        16_384,
+        "--max-response-tokens",
+        min=1,
+        help="Response cap; responses stopped by it get no gradient.",
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    warmup: int = typer.Option(
+        10,
+        "--warmup-updates",
+        min=0,
+        help="Linear LR warm-up (seed 004: 10).",
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    mini_batches: int = typer.Option(
+        1,
+        "--mini-batches",
+        min=1,
+        help="Optimizer steps per rollout batch (>1: the PPO clip binds).",
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    tis_cap: float | None = typer.Option(
+        None,
+        "--tis-cap",
+        min=1.0,
+        show_default=False,
+        help="Truncated importance sampling against the engine's "
+        "log-probs (off by default: the seed names none).",
+        rich_help_panel="Single-turn domain RL (--env)",
+    ),
+    seed: int = typer.Option(
+        0, "--seed", help="Prompt order and sampling seeds.", rich_help_panel="Single-turn domain RL (--env)"
+    ),
 ) -> None:
     """One GRPO update per rollout batch of episode records (hierarchical credit, TIS, k3 KL).
+
+    With --env: seed 004's single-turn domain RL instead: LoRA (rank 16, alpha 32, attention, MLP and
+    lm_head), responses sampled from --engine and graded by the verifier, group-centred advantages
+    without std, PPO clip [0.8, 1.2], no KL, Adam 1e-5 with 10 warm-up updates; the merged policy is
+    hot-reloaded into the engine after every update; OUT/adapter and OUT/serving at the end.
 
     Grades the records, computes balanced worker-judge credit per question group, updates the policy
     with AdamW, logs each step to stdout and OUT/metrics.jsonl, checkpoints to OUT/checkpoints and
@@ -225,6 +348,33 @@ def grpo(
     runs the same step on every rank, each dp rank on its share of the micro-batches; rank 0 alone
     prints, writes metrics.jsonl and exports; checkpoints are sharded (DCP) and resume at any layout.
     """
+    if env is not None:
+        _grpo_env(
+            env=env,
+            model=model,
+            out=out,
+            engine=engine,
+            prompts=prompts,
+            dev_prompts=dev_prompts,
+            eval_every=eval_every,
+            lr=lr,
+            steps=steps,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_targets=lora_targets,
+            prompts_per_step=prompts_per_step,
+            responses=responses,
+            max_response_tokens=max_response_tokens,
+            warmup=warmup,
+            mini_batches=mini_batches,
+            tis_cap=tis_cap,
+            seed=seed,
+            resume=resume,
+            micro_batch_tokens=micro_batch_tokens,
+        )
+        return
+    if records is None or ref is None:
+        fail("--records and --ref are required (or --env for single-turn domain RL)")
     from trainer.distributed import LayoutError, init_layout
 
     try:
@@ -244,7 +394,7 @@ def grpo(
             model,
             ref,
             out,
-            lr=lr,
+            lr=1e-6 if lr is None else lr,
             micro_batch_tokens=micro_batch_tokens,
             grader=graders[grader],
             steps=steps,
@@ -259,3 +409,177 @@ def grpo(
     except ValueError as error:  # a record that is not JSON, a trajectory over the micro-batch budget
         fail(" ".join(str(error).split()))
     layout.close()
+
+
+def _grpo_env(
+    *,
+    env: str,
+    model: Path,
+    out: Path,
+    engine: str | None,
+    prompts: Path | None,
+    lr: float | None,
+    lora_rank: int,
+    lora_alpha: int,
+    lora_targets: str,
+    **settings: Any,
+) -> None:
+    """`bcstack train grpo --env ...`: seed 004's LoRA domain RL (trainer.specialist)."""
+    import os
+
+    from core.single_turn import PromptError
+    from core.verifiers import VerifierError
+    from trainer.checkpoint import CheckpointError
+    from trainer.lora import LoraError, LoraSettings, parse_targets
+    from trainer.specialist import LR, SpecialistConfig, SpecialistError, train_specialist
+
+    if engine is None or prompts is None:
+        fail("--env needs --engine (the engine serving --model) and --prompts (training rows)")
+    micro = settings.pop("micro_batch_tokens")
+    try:
+        lora = LoraSettings(rank=lora_rank, alpha=lora_alpha, targets=parse_targets(lora_targets))
+        lora.target_modules()
+        cfg = SpecialistConfig(
+            base=model,
+            prompts=prompts,
+            out=out,
+            engine_url=engine,
+            env=env,
+            lora=lora,
+            lr=LR if lr is None else lr,
+            warmup_updates=settings.pop("warmup"),
+            micro_batch_tokens=min(micro, 65_536),
+            admin_token=os.environ.get("BCSTACK_ADMIN_TOKEN"),
+            **settings,
+        )
+        summary = train_specialist(cfg, say=typer.echo)
+    except (SpecialistError, LoraError, PromptError, VerifierError, CheckpointError, OSError) as error:
+        fail(" ".join(str(error).split()))
+    typer.echo(
+        f"trained {summary['updates']} updates in {summary['seconds']} s; adapter in {summary['adapter']}, "
+        f"merged BF16 export in {summary['serving']} ({summary['adapter_tensors']} adapter tensors, "
+        f"logits check {'passed' if summary['logits_check'] else 'FAILED'})"
+    )
+
+
+@app.command("merge-lora")
+def merge_lora_command(
+    base: Path = typer.Option(..., "--base", help="The base model folder the adapter was trained on."),
+    adapter: Path = typer.Option(..., "--adapter", help="A peft LoRA adapter folder (adapter_config.json)."),
+    out: Path = typer.Option(..., "--out", help="Folder for the merged serving export (missing or empty)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
+) -> None:
+    """Merge a LoRA adapter into its base in FP32, save BF16, and validate the result (seed 004).
+
+    Checks that every adapter tensor was applied (counted), that the FP32 merge equals base + adapter,
+    that the input embedding is unchanged and an adapted head untied, and that the logits of the BF16
+    export read back equal the FP32-merged model's cast to BF16 bit for bit. Writes the serving export
+    (`bcstack checkpoint verify` passes) with model_provenance.json; any failed check exits 2.
+    """
+    from core.checkpoint import VerifyError
+    from trainer.export import ExportError
+    from trainer.lora import LoraError, merge_lora
+
+    console = Console(stderr=True)
+    started = time.perf_counter()
+    with console.status("Starting …") as status:
+        try:
+            provenance = merge_lora(base, adapter, out, force=force, say=lambda m: status.update(f"{m} …"))
+        except (LoraError, ExportError, VerifyError, OSError) as error:
+            status.stop()
+            fail(" ".join(str(error).split()))
+    check = provenance["logits_check"]
+    console.print(
+        f"merged {provenance['adapter_tensors']} adapter tensors ({provenance['adapted_modules']} modules) "
+        f"into {out} in {time.perf_counter() - started:.1f} s; FP32 merge within "
+        f"{provenance['merge_max_abs_diff']:.2g} of base + adapter; logits after the BF16 reload: "
+        f"{check['logits_differing']} of {check['logits_compared']:,} differ (bitwise check passed)"
+    )
+
+
+@app.command("distill")
+def distill(
+    teachers: Path = typer.Option(
+        ...,
+        "--teachers",
+        help='JSON: {"enable_thinking": false, "teachers": {DOMAIN: {"model": DIR, "engine": URL?}}}. '
+        "A teacher without an engine gets a CPU engine started for it.",
+    ),
+    model: Path = typer.Option(
+        ..., "--model", help="The student: an HF model folder (the base of its LoRA)."
+    ),
+    engine: str = typer.Option(
+        ..., "--engine", help="Engine serving --model; hot-reloaded after each update ($BCSTACK_ADMIN_TOKEN)."
+    ),
+    prompts: Path = typer.Option(
+        ..., "--prompts", help="Training rows with a `domain` each (prompt + label), routed to that teacher."
+    ),
+    out: Path = typer.Option(..., "--out", help="Run folder: metrics.jsonl, adapter/, serving/."),
+    dev_prompts: Path | None = typer.Option(
+        None, "--dev-prompts", help="Rows scored greedily every --eval-every updates.", show_default=False
+    ),
+    eval_every: int = typer.Option(5, "--eval-every", min=1, help="Updates between development scores."),
+    steps: int = typer.Option(10, "--steps", min=1, help="Updates."),
+    lr: float = typer.Option(1e-5, "--lr", min=0.0, help="Adam learning rate of the LoRA matrices."),
+    warmup: int = typer.Option(10, "--warmup-updates", min=0, help="Linear LR warm-up."),
+    prompts_per_step: int = typer.Option(32, "--prompts-per-step", min=1, help="Prompts per update."),
+    responses: int = typer.Option(4, "--responses", min=1, help="Student responses per prompt."),
+    max_response_tokens: int = typer.Option(16_384, "--max-response-tokens", min=1, help="Response cap."),
+    kl_weight: float = typer.Option(1.0, "--kl-weight", min=0.0, help="λ of the reverse-KL signal."),
+    reward_weight: float = typer.Option(
+        0.0, "--reward-weight", min=0.0, help="Weight of the verifier's group-centred reward added per token."
+    ),
+    verifier: str = typer.Option(
+        "math", "--verifier", help="Verifier for rewards and dev scores: math, code, if."
+    ),
+    lora_rank: int = typer.Option(16, "--lora-rank", min=1, help="LoRA rank."),
+    lora_alpha: int = typer.Option(32, "--lora-alpha", min=1, help="LoRA alpha."),
+    lora_targets: str = typer.Option("attn,mlp,lm_head", "--lora-targets", help="attn, mlp, lm_head."),
+    seed: int = typer.Option(0, "--seed", help="Prompt order and sampling seeds."),
+) -> None:
+    """Multi-teacher on-policy distillation (seed 004): the student samples, the domain's teacher scores.
+
+    Each prompt goes to the teacher of its `domain`; the teacher scores the student's tokens through
+    /generate (max_new_tokens 0, return_logprob, logprob_start_len at the response); the per-token
+    reverse KL (student − teacher log-prob) is the training signal, optionally plus the verifier's
+    reward. Teachers whose tokenizer, chat template or thinking mode differ from the student's are
+    refused with the first difference named.
+    """
+    import os
+
+    from core.single_turn import PromptError
+    from core.verifiers import VerifierError
+    from trainer.distill import DistillConfig, DistillError, train_distill
+    from trainer.lora import LoraError, LoraSettings, parse_targets
+
+    try:
+        lora = LoraSettings(rank=lora_rank, alpha=lora_alpha, targets=parse_targets(lora_targets))
+        lora.target_modules()
+        cfg = DistillConfig(
+            student=model,
+            teachers=teachers,
+            prompts=prompts,
+            out=out,
+            engine_url=engine,
+            dev_prompts=dev_prompts,
+            lora=lora,
+            lr=lr,
+            warmup_updates=warmup,
+            prompts_per_step=prompts_per_step,
+            responses=responses,
+            max_response_tokens=max_response_tokens,
+            kl_weight=kl_weight,
+            reward_weight=reward_weight,
+            verifier=verifier,
+            steps=steps,
+            eval_every=eval_every,
+            seed=seed,
+            admin_token=os.environ.get("BCSTACK_ADMIN_TOKEN"),
+        )
+        summary = train_distill(cfg, say=typer.echo)
+    except (DistillError, LoraError, PromptError, VerifierError, OSError) as error:
+        fail(" ".join(str(error).split()))
+    typer.echo(
+        f"distilled {summary['updates']} updates in {summary['seconds']} s; merged BF16 export in "
+        f"{summary['serving']} (logits check {'passed' if summary['logits_check'] else 'FAILED'})"
+    )

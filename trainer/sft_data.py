@@ -8,12 +8,14 @@ Sources
   episodes the rule grader judges correct are kept (`only_correct`), as one keeps expert
   demonstrations that worked.
 - **Chat JSONL**: one row per line, ``{"messages": [{"role", "content"}, ...], "source": NAME?,
-  "supervise": "assistant" | "last"?}``. A row is rendered through the worker's own chat template
-  (`core.chat_template.render_chat`, Qwen3 fixed keep-thinking, append-only) and tokenized with the
-  model's tokenizer; the supervised tokens are exactly the tokens the worker would have generated for
-  each assistant message (its reply and the `<|im_end|>` after it) — the same mask a record made by the
-  worker holds. ``supervise: "last"`` trains on the last assistant message only (gate rows:
-  the context is the episode so far, the target is the gate's decision).
+  "supervise": "assistant" | "last"?, "enable_thinking": false?}``. A row is rendered through the
+  worker's own chat template (`core.chat_template.render_chat`, Qwen3 fixed keep-thinking,
+  append-only) and tokenized with the model's tokenizer; the supervised tokens are exactly the tokens
+  the worker would have generated for each assistant message (its reply and the `<|im_end|>` after
+  it) — the same mask a record made by the worker holds. ``supervise: "last"`` trains on the last
+  assistant message only (gate rows: the context is the episode so far, the target is the gate's
+  decision). ``enable_thinking: false``
+  renders generation prompts with thinking disabled (the seed-004 single-turn domains).
 
   The worker tokenizes each generation prompt and appends the generated ids, so a row is trained on
   correctly only if tokenizing every rendered prefix gives a prefix of the next one's tokens. A row
@@ -84,8 +86,13 @@ def render_chat_row(
     eos_id: int,
     *,
     supervise: str = "assistant",
+    enable_thinking: bool = True,
 ) -> tuple[list[int], list[int]]:
     """Token ids and the supervised mask of one conversation, as the worker would have produced it.
+
+    `enable_thinking=False` renders each generation prompt as Qwen3 does with thinking disabled (an
+    empty think block closes it), so a reply must then start with that block; only what follows it
+    is supervised, as a model served with thinking disabled generates only that.
 
     Raises SFTDataError (one line) for a conversation that cannot be trained on exactly.
     """
@@ -104,7 +111,9 @@ def render_chat_row(
     ids: list[int] = []
     mask: list[int] = []
     for i in targets:
-        prompt = encode(render_chat(messages[:i], add_generation_prompt=True))
+        prompt = encode(
+            render_chat(messages[:i], add_generation_prompt=True, enable_thinking=enable_thinking)
+        )
         if prompt[: len(ids)] != ids:
             raise SFTDataError(
                 f"message {i}: the tokens of the conversation up to it are not an extension of the tokens "
@@ -151,9 +160,17 @@ def load_chat_jsonl(
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
             refused.append(f'{where}: expected an object with a "messages" list')
             continue
+        thinking = row.get("enable_thinking", True)
+        if not isinstance(thinking, bool):
+            refused.append(f'{where}: "enable_thinking" must be true or false')
+            continue
         try:
             ids, mask = render_chat_row(
-                row["messages"], encode, eos_id, supervise=str(row.get("supervise", "assistant"))
+                row["messages"],
+                encode,
+                eos_id,
+                supervise=str(row.get("supervise", "assistant")),
+                enable_thinking=thinking,
             )
         except SFTDataError as e:
             refused.append(f"{where}: {e}")

@@ -172,3 +172,93 @@ def report(
         fail(str(e))
     typer.echo(render_markdown(result, **names))
     typer.echo("\n" + "  ".join(f"{kind}: {path}" for kind, path in paths.items()))
+
+
+@app.command("passk")
+def passk(
+    model: list[str] = typer.Option(
+        ...,
+        "--model",
+        help="A model, repeatable: NAME=DIR (a model folder; a CPU engine is started for it) or NAME=URL "
+        "(a running SGLang or `bcstack serve engine`). DIR or URL alone names it after the folder.",
+    ),
+    prompts: list[str] = typer.Option(
+        ...,
+        "--prompts",
+        help="A benchmark, repeatable: NAME=FILE[:verifier=math|code|if][:greedy]. FILE is JSONL of prompt + "
+        "label rows (DAPO-Math-17k's form). greedy: one greedy response per prompt (instruction following).",
+    ),
+    out: Path = typer.Option(
+        ..., "--out", help="Folder for responses.jsonl, results.json, table.md/.csv, passk.png."
+    ),
+    samples: int = typer.Option(4, "--samples", min=1, help="Sampled responses per prompt (seed 004: 4)."),
+    temperature: float = typer.Option(
+        0.7, "--temperature", min=0.0, help="Sampling temperature (seed 004: 0.7)."
+    ),
+    top_p: float = typer.Option(0.8, "--top-p", min=0.0, max=1.0, help="Nucleus sampling (seed 004: 0.8)."),
+    top_k: int = typer.Option(20, "--top-k", min=-1, help="Top-k, -1 for off (seed 004: 20)."),
+    max_new_tokens: int = typer.Option(
+        16_384, "--max-new-tokens", min=1, help="Response cap (seed 004: 16,384)."
+    ),
+    baseline: str | None = typer.Option(
+        None,
+        "--baseline",
+        help="Model NAME the others are compared with (paired intervals, length ratio).",
+        show_default=False,
+    ),
+    seed: int = typer.Option(
+        0, "--seed", help="Sampling seeds derive from it, the prompt and the sample index."
+    ),
+    limit: int | None = typer.Option(
+        None, "--limit", min=1, help="First N prompts of each benchmark.", show_default=False
+    ),
+    concurrency: int = typer.Option(64, "--concurrency", min=1, help="Prompts in flight per model."),
+) -> None:
+    """Single-turn pass@k of every model on every benchmark (seed 004's protocol and table).
+
+    pass@1 is the mean success over the sampled responses, pass@k the unbiased estimator; with
+    --baseline, paired 95% intervals (bootstrap over prompts) and response-length ratios. A killed run
+    resumes from OUT/responses.jsonl without redoing finished prompts.
+    """
+    from rich.console import Console
+    from rich.markdown import Markdown
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from bcstack.evaluation.passk import PasskError, parse_benchmark, parse_model, run_passk
+    from core.single_turn import PromptError, SamplingSettings
+    from core.verifiers import VerifierError
+
+    console = Console(stderr=True)
+    try:
+        models = [parse_model(m) for m in model]
+        benches = [parse_benchmark(p) for p in prompts]
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as bar:
+
+            def progress(name: str, total: int, done: int):  # type: ignore[no-untyped-def]
+                task = bar.add_task(f"{name}: prompts", total=total, completed=done)
+                return lambda n: bar.advance(task, n)
+
+            results = run_passk(
+                models,
+                benches,
+                out,
+                samples=samples,
+                sampling=SamplingSettings(temperature, top_p, top_k, max_new_tokens),
+                baseline=baseline,
+                seed=seed,
+                concurrency=concurrency,
+                limit=limit,
+                progress=progress,
+            )
+    except (PasskError, PromptError, VerifierError, OSError) as error:
+        fail(" ".join(str(error).split()))
+    from bcstack.evaluation.passk import render_table
+
+    Console().print(Markdown(render_table(results)))
+    console.print(f"wrote {out}/results.json, table.md, table.csv, passk.png")

@@ -63,3 +63,43 @@ def generate(
         f"wrote {out}: {m['documents']:,} documents, {m['test_questions']} test questions ({tiers}), "
         f"{m['train_questions']} train questions in {time.perf_counter() - start:.1f}s"
     )
+
+
+@app.command()
+def math(
+    out: Path = typer.Option(..., "--out", help="Directory to write (must not exist or be empty)."),
+    domain: str = typer.Option(
+        "arithmetic",
+        "--domain",
+        help="arithmetic (multi-step word problems) or sequence (next term of a progression).",
+    ),
+    train: int = typer.Option(2000, "--train", min=1, help="Training prompts."),
+    test: int = typer.Option(
+        200, "--test", min=1, help="Held-out test prompts (plus 64 development prompts)."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Random seed: the same seed gives byte-identical files."),
+    force: bool = typer.Option(False, "--force", help="Overwrite a non-empty --out."),
+) -> None:
+    """Write a toy single-turn domain for the seed-004 specialists, in DAPO-Math-17k's row format.
+
+    train.jsonl, dev.jsonl (64 prompts), test.jsonl: rows {id, domain, prompt, label}; the prompt
+    asks for an "Answer:" last line and the label is the numeric answer. sft.jsonl: the training
+    prompts with worked replies (chat rows, thinking disabled) for `bcstack train sft`.
+    manifest.json: counts, the split audit and each file's SHA-256. Duplicates are removed and no
+    prompt is in two splits.
+    """
+    from rich.console import Console
+
+    from devkit.toyworld.domains import DomainError, write_domain
+
+    console = Console(stderr=True)
+    try:
+        manifest = write_domain(out, domain, train=train, test=test, seed=seed, force=force)
+    except DomainError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    s = manifest["splits"]
+    console.print(
+        f"wrote {out}: {domain}, {s['train']:,} train / {s['dev']} dev / {s['test']:,} test prompts "
+        f"({manifest['duplicates_removed']:,} duplicates removed)"
+    )

@@ -40,7 +40,7 @@ class ModelStopGate:
         self.on_decision = on_decision
 
     async def __call__(self, messages: Sequence[dict[str, str]], budget: WorkerBudget) -> str | None:
-        from services.worker.engine_client import EngineError
+        from core.engine_client import EngineError
 
         prompt = render_chat(gate_messages(messages), add_generation_prompt=True)
         ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.checkpoint import VerifyError, verify_checkpoint
-from services.worker.engine_client import EngineClient, EngineError
+from core.engine_client import EngineClient, EngineError
 
 log = logging.getLogger(__name__)
 

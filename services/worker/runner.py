@@ -209,7 +209,7 @@ class EpisodeRunner:
 
     def __init__(
         self,
-        engine: Any,  # services.worker.engine_client.EngineClient (or a test double with .generate)
+        engine: Any,  # core.engine_client.EngineClient (or a test double with .generate)
         retrieval: Any,  # services.worker.retrieval_client.RetrievalClient
         tokenizer: Tokenizer,
         *,
@@ -312,7 +312,7 @@ class EpisodeRunner:
     async def _generate(
         self, traj: Trajectory, grant: TurnGrant, sampling: Sampling, prompt_start: int
     ) -> tuple[TurnRecord | None, str, StopReason | None]:
-        from services.worker.engine_client import EngineError, EngineUnavailable
+        from core.engine_client import EngineError, EngineUnavailable
 
         t0 = time.perf_counter()
         try:

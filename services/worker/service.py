@@ -306,7 +306,7 @@ def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
     """The runner, its clients and both transports on one registry (what `bcstack serve worker` runs)."""
     from transformers import AutoTokenizer
 
-    from services.worker.engine_client import EngineClient
+    from core.engine_client import EngineClient
     from services.worker.retrieval_client import RetrievalClient
 
     if settings.tokenizer is None:

@@ -1,4 +1,4 @@
-"""The worker's client for its inference engine: SGLang's native HTTP API, spoken to a real SGLang
+"""The stack's client for an inference engine: SGLang's native HTTP API, spoken to a real SGLang
 server or to the CPU engine (`bcstack serve engine`) that serves the same subset.
 
 This is the one module of the stack that knows SGLang's field names; everything else speaks
@@ -293,17 +293,20 @@ class EngineClient:
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise EngineError(200, f"unexpected /generate answer: {type(e).__name__}: {e}") from None
 
-    async def score(self, input_ids: list[int]) -> list[float | None]:
-        """log p(token_i | tokens before it) for every input token; the first is None (no context).
+    async def score(self, input_ids: list[int], start: int = 0) -> list[float | None]:
+        """log p(token_i | tokens before it) for input tokens `start`.. (position 0 has none: None).
 
-        `max_new_tokens` 0 with `logprob_start_len` 0: SGLang's prompt scoring (teacher log-probs
-        for on-policy distillation).
+        `max_new_tokens` 0 with `logprob_start_len` = `start`: SGLang's prompt scoring (teacher
+        log-probs of a student's response for on-policy distillation: `start` = the response's first
+        position, so only the response is scored).
         """
+        if not 0 <= start < len(input_ids):
+            raise ValueError(f"start {start} outside the {len(input_ids)} input tokens")
         body = {
             _INPUT_IDS: list(input_ids),
             _SAMPLING: {_MAX_NEW: 0},
             _RETURN_LOGPROB: True,
-            _LOGPROB_START: 0,
+            _LOGPROB_START: start,
             _STREAM: False,
         }
         payload = (await self._request("POST", "generate", body)).json()
@@ -312,8 +315,10 @@ class EngineClient:
             values = [None if e[0] is None else float(e[0]) for e in entries]
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise EngineError(200, f"unexpected scoring answer: {type(e).__name__}: {e}") from None
-        if len(values) != len(input_ids):
-            raise EngineError(200, f"scored {len(values)} positions for {len(input_ids)} input tokens")
+        if len(values) != len(input_ids) - start:
+            raise EngineError(
+                200, f"scored {len(values)} positions for {len(input_ids) - start} input tokens from {start}"
+            )
         return values
 
     # --- info and health -------------------------------------------------------------------------

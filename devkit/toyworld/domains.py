@@ -1,0 +1,228 @@
+"""Toy single-turn domains for the seed-004 specialists: problems with unique numeric answers.
+
+Seed 004 trains domain specialists by single-turn RL on DAPO-Math-17k rows (a prompt and a numeric
+`label`) and evaluates them by pass@1. A tiny model on a CPU cannot learn competition maths, so the
+embedded default is two toy domains it can learn something of in minutes, written in the same row
+format, so the same verifier, trainer and evaluation run on them and on the real data:
+
+* ``arithmetic``: multi-step word problems ("Mia has 7 shells. She finds 5 more shells and then
+  gives away 3 shells. How many shells does Mia have now?"), 1 or 2 single-digit steps, answers 0..20;
+* ``sequence``: the next term of an arithmetic progression ("What number comes next in the
+  sequence 3, 5, 7, 9?"), answers 0..52.
+
+Two domains, because multi-teacher on-policy distillation needs a teacher per domain.
+
+Preparation follows the seed's: duplicate questions are removed (normalised text: lowercase,
+whitespace collapsed), a deterministic 64-prompt development split and a test split are taken out,
+and the remaining rows are the training prompts; no normalised question is in two splits (checked
+again after writing), and `manifest.json` records every count and each file's SHA-256. The same seed
+gives byte-identical files (one seeded RNG, no set iteration).
+
+Files: ``train.jsonl``, ``dev.jsonl``, ``test.jsonl`` with rows ``{"id", "domain", "prompt",
+"label"}`` (DAPO-Math-17k's `prompt` + `label`, as slime's copy of it has them: the prompt asks for
+an ``Answer:`` last line); ``sft.jsonl`` with one chat row per training prompt whose reply works the
+problem out step by step (``{"messages", "enable_thinking": false, "source"}``, for
+`bcstack train sft`), which is how the tests make a base model that knows the answer format;
+``corpus.jsonl`` holds the training prompts with their replies as BrowseComp-Plus documents, for
+`bcstack model tiny --corpus` to train a tokenizer that knows the domain's words.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+DOMAINS_VERSION = "1"
+DEV_PROMPTS = 64  # seed 004: "a deterministic 64-prompt development split"
+# DAPO-Math-17k's instruction around each problem (the prepared rows slime trains on).
+PROMPT_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of the "
+    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+MAX_TOTAL = 20
+_NAMES = ("Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Ivy", "Eli", "Ruth", "Sam", "Tara", "Ben")
+_SHE = frozenset({"Mia", "Ava", "Zoe", "Ivy", "Ruth", "Tara"})
+_THINGS = ("shells", "apples", "coins", "stamps", "marbles", "books", "pens", "cards", "stones", "keys")
+
+
+class DomainError(ValueError):
+    """A domain cannot be written as asked (one line, for the CLI)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    answer: int
+    solution: str  # the worked reply, ending in the "Answer: N" line
+
+
+def _arithmetic(rng: random.Random) -> Problem:
+    name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+    value = rng.randint(2, 9)
+    text = [f"{name} has {value} {thing}."]
+    work: list[str] = []
+    pronoun = "she" if name in _SHE else "he"
+    for i in range(rng.randint(1, 2)):
+        # Single-digit steps and totals up to 20: addition and subtraction facts a tiny model can learn.
+        n = rng.randint(1, 9)
+        if value + n > MAX_TOTAL or (value > n and rng.random() < 0.45):
+            n = rng.randint(1, value)
+            phrase = f"gives away {n} {thing}"
+            work.append(f"{value} - {n} = {value - n}.")
+            value -= n
+        else:
+            phrase = f"finds {n} more {thing}"
+            work.append(f"{value} + {n} = {value + n}.")
+            value += n
+        text.append(f"Then {pronoun} {phrase}." if i else f"{pronoun.capitalize()} {phrase}.")
+    text.append(f"How many {thing} does {name} have now?")
+    return Problem(" ".join(text), value, " ".join(work) + f"\nAnswer: {value}")
+
+
+def _sequence(rng: random.Random) -> Problem:
+    step = rng.choice([d for d in range(-9, 13) if d])
+    length = rng.randint(3, 5)
+    # Decreasing progressions start high enough that the answer stays at 0 or above.
+    start = rng.randint(-step * length, -step * length + 40) if step < 0 else rng.randint(0, 40)
+    terms = [start + step * i for i in range(length)]
+    answer = terms[-1] + step
+    shown = ", ".join(str(t) for t in terms)
+    sign = "+" if step > 0 else "-"
+    solution = f"The difference is {step}. {terms[-1]} {sign} {abs(step)} = {answer}.\nAnswer: {answer}"
+    return Problem(f"What number comes next in the sequence {shown}?", answer, solution)
+
+
+GENERATORS: dict[str, Callable[[random.Random], Problem]] = {"arithmetic": _arithmetic, "sequence": _sequence}
+
+
+def normalise(question: str) -> str:
+    """The deduplication key: lowercase, runs of whitespace as one space."""
+    return re.sub(r"\s+", " ", question.lower()).strip()
+
+
+def prompt_of(question: str) -> str:
+    return PROMPT_PREFIX + question + PROMPT_SUFFIX
+
+
+def _row(domain: str, index: int, problem: Problem) -> dict:
+    return {
+        "id": f"{domain}-{index:05d}",
+        "domain": domain,
+        "prompt": prompt_of(problem.question),
+        "label": str(problem.answer),
+    }
+
+
+def build_domain(domain: str, *, train: int, test: int, seed: int = 0) -> dict[str, list]:
+    """The splits of one domain: {"train", "dev", "test"} rows and "sft" chat rows."""
+    if domain not in GENERATORS:
+        raise DomainError(f"unknown domain {domain!r}; choose one of {', '.join(GENERATORS)}")
+    want = train + DEV_PROMPTS + test
+    # The seed mixes in the domain name so two domains with one seed are independent streams.
+    rng = random.Random(f"{domain}:{seed}")
+    make = GENERATORS[domain]
+    problems: list[Problem] = []
+    seen: set[str] = set()
+    draws = duplicates = streak = 0
+    while len(problems) < want:
+        draws += 1
+        problem = make(rng)
+        key = normalise(problem.question)
+        if key in seen:
+            duplicates += 1
+            streak += 1
+            # A long run of repeats means the space is (nearly) used up.
+            if streak > 20_000:
+                raise DomainError(
+                    f"the {domain} generator ran out of distinct problems after {len(problems):,}; "
+                    f"ask for fewer than {train + test:,} train + test prompts"
+                )
+            continue
+        streak = 0
+        seen.add(key)
+        problems.append(problem)
+    dev, held, rest = (
+        problems[:DEV_PROMPTS],
+        problems[DEV_PROMPTS : DEV_PROMPTS + test],
+        problems[DEV_PROMPTS + test :],
+    )
+    rows = {
+        "dev": [_row(domain, i, p) for i, p in enumerate(dev)],
+        "test": [_row(domain, DEV_PROMPTS + i, p) for i, p in enumerate(held)],
+        "train": [_row(domain, DEV_PROMPTS + test + i, p) for i, p in enumerate(rest)],
+    }
+    rows["sft"] = [
+        {
+            "messages": [
+                {"role": "user", "content": prompt_of(p.question)},
+                {"role": "assistant", "content": "<think>\n\n</think>\n\n" + p.solution},
+            ],
+            "enable_thinking": False,
+            "source": domain,
+        }
+        for p in rest
+    ]
+    # A corpus in the BrowseComp-Plus format, for `bcstack model tiny --corpus` to train a tokenizer on.
+    rows["corpus"] = [
+        {
+            "docid": f"{domain}-{i:05d}",
+            "text": prompt_of(p.question) + "\n" + p.solution,
+            "url": f"toy://{domain}/{i}",
+        }
+        for i, p in enumerate(rest)
+    ]
+    rows["_stats"] = [{"generated": draws, "duplicates_removed": duplicates}]
+    return rows
+
+
+def _overlaps(rows: dict[str, list]) -> list[str]:
+    keys = {split: {normalise(r["prompt"]) for r in rows[split]} for split in ("train", "dev", "test")}
+    found = []
+    for a, b in (("train", "dev"), ("train", "test"), ("dev", "test")):
+        shared = keys[a] & keys[b]
+        if shared:
+            found.append(f"{len(shared)} prompts in both {a} and {b}")
+    return found
+
+
+def write_domain(
+    out: Path, domain: str, *, train: int, test: int, seed: int = 0, force: bool = False
+) -> dict:
+    """Write the domain's files into `out` (new or empty unless `force`) and return the manifest."""
+    if out.exists() and any(out.iterdir()) and not force:
+        raise DomainError(f"{out} is not empty; pass --force to overwrite")
+    rows = build_domain(domain, train=train, test=test, seed=seed)
+    problems = _overlaps(rows)
+    if problems:  # cannot happen by construction; the audit is what the seed's preparation promises
+        raise DomainError(f"split audit failed: {'; '.join(problems)}")
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split in ("train", "dev", "test", "sft", "corpus"):
+        path = out / f"{split}.jsonl"
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[split]).encode()
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        files[path.name] = {"rows": len(rows[split]), "sha256": hashlib.sha256(data).hexdigest()}
+    stats = rows["_stats"][0]
+    manifest = {
+        "domain": domain,
+        "version": DOMAINS_VERSION,
+        "seed": seed,
+        "format": "DAPO-Math-17k rows: prompt + numeric label (Answer: last line)",
+        "generated": stats["generated"],
+        "duplicates_removed": stats["duplicates_removed"],
+        "splits": {"train": len(rows["train"]), "dev": len(rows["dev"]), "test": len(rows["test"])},
+        "audit": "no normalised prompt in two splits",
+        "files": files,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
