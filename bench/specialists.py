@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from common import Table, free_port, print_machine, process, write_results  # noqa: E402
+
+from devkit.toyworld.domains import write_mixed_format_sft  # noqa: E402
 
 DOMAINS = ("arithmetic", "sequence")
 ADMIN = "bench-specialists"
@@ -56,20 +57,6 @@ def bcstack(*args: str, log: Path) -> None:
     if done.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         raise SystemExit(f"bcstack {' '.join(args[:2])} failed (exit {done.returncode}): {' | '.join(tail)}")
-
-
-def mixed_format_sft(sources: list[Path], out: Path, share: float, seed: int = 0) -> None:
-    """The domains' worked replies, `share` of them ending "The answer is N." instead of "Answer: N"."""
-    rng = random.Random(seed)
-    with out.open("w") as f:
-        for path in sources:
-            for line in path.read_text().splitlines():
-                row = json.loads(line)
-                reply = row["messages"][1]["content"]
-                if rng.random() < share:
-                    work, answer = reply.rsplit("\nAnswer: ", 1)
-                    row["messages"][1]["content"] = f"{work}\nThe answer is {answer}."
-                f.write(json.dumps(row) + "\n")
 
 
 def main() -> None:
@@ -148,7 +135,7 @@ def main() -> None:
             log=logs / "kit.log",
         )
     with stage("base SFT"):
-        mixed_format_sft(
+        write_mixed_format_sft(
             [work / d / "sft.jsonl" for d in DOMAINS], work / "base-sft.jsonl", args.format_share
         )
         bcstack(

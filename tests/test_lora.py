@@ -89,6 +89,8 @@ def test_merge_lora_exports_a_verified_untied_bf16_model_with_provenance(kit, ad
     assert provenance["embedding_preserved"] and provenance["head_untied"] and provenance["head_was_tied"]
     assert provenance["merge_max_abs_diff"] <= lora_mod.MERGE_ATOL
     assert provenance["adapter"]["config"]["r"] == 4
+    kit_manifest = json.loads((kit / "bcstack_model.json").read_text())
+    assert provenance["base"]["revision"] == "sha256:" + kit_manifest["files"]["model.safetensors"]
     summary = verify_checkpoint(out)  # what `bcstack checkpoint verify` runs
     assert summary["dtype"] == "BF16" and not summary["tie_word_embeddings"]
     assert "model_provenance.json" not in summary.get("unlisted_files", [])  # hashed with the rest

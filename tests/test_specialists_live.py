@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
+from devkit.toyworld.domains import write_mixed_format_sft
 from tests.conftest import find_free_port
 from tests.stack_util import bcstack_process
 
@@ -49,18 +50,6 @@ def _engine(model: Path):
         f"http://127.0.0.1:{port}/health_generate",
         env={"BCSTACK_ADMIN_TOKEN": ADMIN},
     ), f"http://127.0.0.1:{port}"
-
-
-def _mixed_format(sources: list[Path], out: Path, share: float = 0.75) -> None:
-    rng = random.Random(0)
-    with out.open("w") as f:
-        for path in sources:
-            for line in path.read_text().splitlines():
-                row = json.loads(line)
-                if rng.random() < share:
-                    work, answer = row["messages"][1]["content"].rsplit("\nAnswer: ", 1)
-                    row["messages"][1]["content"] = f"{work}\nThe answer is {answer}."
-                f.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +84,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "--vocab-size",
         "1024",
     )
-    _mixed_format([root / d / "sft.jsonl" for d in DOMAINS], root / "base-sft.jsonl")
+    write_mixed_format_sft([root / d / "sft.jsonl" for d in DOMAINS], root / "base-sft.jsonl", share=0.75)
     bcstack(
         "train",
         "sft",
@@ -110,7 +99,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "--min-lr",
         "3e-4",
         "--epochs",
-        "2",
+        "3",
     )
     return {"root": root, "base": root / "base" / "serving"}
 
@@ -138,36 +127,16 @@ def specialist(world) -> Path:
     """LoRA GRPO on arithmetic from the base, the engine hot-reloaded after every update."""
     root, base = world["root"], world["base"]
     process, url = _engine(base)
+    args = ["train", "grpo", "--env", "math", "--model", str(base), "--engine", url,
+            "--prompts", str(root / "arithmetic" / "train.jsonl"), "--out", str(root / "rl"),
+            "--prompts-per-step", "16", "--responses", "8", "--max-response-tokens", "48",
+            "--lr", "1e-3", "--warmup-updates", "2"]  # fmt: skip
     with process:
-        bcstack(
-            "train",
-            "grpo",
-            "--env",
-            "math",
-            "--model",
-            str(base),
-            "--engine",
-            url,
-            "--prompts",
-            str(root / "arithmetic" / "train.jsonl"),
-            "--out",
-            str(root / "rl"),
-            "--steps",
-            "12",
-            "--prompts-per-step",
-            "16",
-            "--responses",
-            "8",
-            "--max-response-tokens",
-            "48",
-            "--lr",
-            "1e-3",
-            "--warmup-updates",
-            "2",
-        )
+        bcstack(*args, "--steps", "11")
+        # A second run resumes from the newest checkpoint: the engine is reloaded to it first.
+        done = bcstack(*args, "--steps", "12", "--resume")
+        assert "resumed at update 11" in done.stdout
         # the engine serves the last update's merged policy
-        import httpx
-
         assert httpx.get(f"{url}/get_weight_version").json()["weight_version"] == "lora-12"
     return root / "rl"
 
@@ -219,7 +188,7 @@ def test_distillation_from_two_teachers_raises_the_student_on_both_domains(world
         "--min-lr",
         "1e-4",
         "--epochs",
-        "0.5",
+        "1",
     )
     teachers = root / "teachers.json"
     teachers.write_text(
@@ -251,7 +220,7 @@ def test_distillation_from_two_teachers_raises_the_student_on_both_domains(world
             "--out",
             str(root / "student"),
             "--steps",
-            "8",
+            "10",
             "--prompts-per-step",
             "16",
             "--responses",
@@ -277,43 +246,19 @@ def test_distillation_from_two_teachers_raises_the_student_on_both_domains(world
 
 def test_a_teacher_with_another_tokenizer_or_thinking_mode_is_refused(world, toy_kit, tmp_path):
     root, base = world["root"], world["base"]
-    other = toy_kit["dir"] / "tiny"  # the stack's tiny kit: same architecture, another tokenizer
     teachers = tmp_path / "teachers.json"
-    teachers.write_text(json.dumps({"teachers": {"arithmetic": {"model": str(other)}}}))
-    done = bcstack(
-        "train",
-        "distill",
-        "--teachers",
-        str(teachers),
-        "--model",
-        str(base),
-        "--engine",
-        "http://127.0.0.1:9",
-        "--prompts",
-        str(root / "arithmetic" / "train.jsonl"),
-        "--out",
-        str(tmp_path / "o"),
-        check=False,
-    )
-    assert done.returncode == 2
-    assert "teacher 'arithmetic'" in done.stderr and "the tokenizer differs" in done.stderr
-    assert "Traceback" not in done.stderr
-    teachers.write_text(
-        json.dumps({"enable_thinking": True, "teachers": {"arithmetic": {"model": str(base)}}})
-    )
-    done = bcstack(
-        "train",
-        "distill",
-        "--teachers",
-        str(teachers),
-        "--model",
-        str(base),
-        "--engine",
-        "http://127.0.0.1:9",
-        "--prompts",
-        str(root / "arithmetic" / "train.jsonl"),
-        "--out",
-        str(tmp_path / "o"),
-        check=False,
-    )
-    assert done.returncode == 2 and "the thinking mode differs" in done.stderr
+
+    def refused(body: dict) -> str:
+        teachers.write_text(json.dumps(body))
+        done = bcstack("train", "distill", "--teachers", str(teachers), "--model", str(base), "--engine",
+                       "http://127.0.0.1:9", "--prompts", str(root / "arithmetic" / "train.jsonl"),
+                       "--out", str(tmp_path / "o"), check=False)  # fmt: skip
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        return done.stderr
+
+    other = toy_kit["dir"] / "tiny"  # the stack's tiny kit: same architecture, another tokenizer
+    message = refused({"teachers": {"arithmetic": {"model": str(other)}}})
+    assert "teacher 'arithmetic'" in message and "the tokenizer differs" in message
+    message = refused({"enable_thinking": True, "teachers": {"arithmetic": {"model": str(base)}}})
+    assert "the thinking mode differs" in message
+    assert not (tmp_path / "o").exists()  # refused before anything ran

@@ -53,7 +53,7 @@ from core.local_engine import LocalEngine, LocalEngineError
 from core.single_turn import PromptRow, Response, SamplingSettings, TextCodec, load_prompts, sample_responses
 from core.verifiers import verifier_for
 from trainer.attention import VARLEN
-from trainer.lora import LoraSettings, attach_lora, merge_lora, save_merged
+from trainer.lora import LoraSettings, attach_lora, save_merged
 from trainer.loss import grpo_loss
 from trainer.packing import first_fit_pack, pack, per_token_logprobs
 from trainer.specialist import (
@@ -61,6 +61,7 @@ from trainer.specialist import (
     SpecialistError,
     append_jsonl,
     centred_advantages,
+    finish_run,
     pass_rate,
     prune_rollout_weights,
     reload_engine,
@@ -388,18 +389,7 @@ async def _train(
                 f"update {update}/{cfg.steps} reverse KL per token: {kl_text}; "
                 f"reward {line['reward_mean']:.3f}{dev}"
             )
-        adapter_dir = cfg.out / "adapter"
-        peft_model.save_pretrained(str(adapter_dir), save_embedding_layers=False)
-        provenance = merge_lora(cfg.student, adapter_dir, cfg.out / "serving", force=True)
-        summary = {
-            "updates": cfg.steps,
-            "seconds": round(time.perf_counter() - started, 1),
-            "serving": str(cfg.out / "serving"),
-            "adapter_tensors": provenance["adapter_tensors"],
-            "logits_check": provenance["logits_check"]["passed"],
-        }
-        (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
+        return finish_run(peft_model, cfg.student, cfg.out, updates=cfg.steps, started=started)
     except EngineError as e:
         raise DistillError(f"engine: {e}") from None
     finally:

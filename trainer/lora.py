@@ -32,6 +32,7 @@ of the embedding), the delta goes into the copy, and the embedding stays bit for
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -229,7 +230,9 @@ def _check_adapter_loaded(peft_model: Any, file_tensors: dict[str, torch.Tensor]
             continue
         loaded, written = param.detach().to(torch.float32), tensor.to(torch.float32)
         # Bit for bit, NaN included (a NaN written is a NaN loaded; the merge check rejects it).
-        if loaded.shape != written.shape or not torch.allclose(loaded, written, rtol=0, atol=0, equal_nan=True):
+        if loaded.shape != written.shape or not torch.allclose(
+            loaded, written, rtol=0, atol=0, equal_nan=True
+        ):
             raise LoraError(f"adapter tensor {key} was not loaded as written")
         lora += is_lora
         full += not is_lora
@@ -269,12 +272,11 @@ def merge_lora(
     """Merge a peft adapter into its base in FP32, export BF16, validate; returns the provenance."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from core.checkpoint import read_tokenizer_size, write_sha256sums
     from core.model_layout import read_json
     from trainer.export import export_checkpoint
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir)
@@ -375,20 +377,25 @@ def merge_lora(
 
 
 def _revision(model_dir: Path) -> str | None:
-    """The base's revision: the Hub commit recorded beside it, or the kit manifest's hash."""
-    for name in ("bcstack_model.json", "model_provenance.json"):
-        path = model_dir / name
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except json.JSONDecodeError:
-                continue
-            for key in ("revision", "sha256", "weights_sha256"):
-                if isinstance(data.get(key), str):
-                    return data[key]
+    """The base's revision: a Hub snapshot's commit, else a hash that pins the exact files.
+
+    A folder under a Hub cache (`.../snapshots/<commit>/`) names its commit; a serving export is
+    pinned by the hash of its SHA256SUMS, a tiny kit by its manifest's weights hash.
+    """
+    import hashlib
+
+    resolved = model_dir.resolve()
+    if resolved.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", resolved.name):
+        return resolved.name
     sums = model_dir / "SHA256SUMS"
     if sums.is_file():
-        import hashlib
-
-        return "sha256sums:" + hashlib.sha256(sums.read_bytes()).hexdigest()[:16]
+        return "sha256sums:" + hashlib.sha256(sums.read_bytes()).hexdigest()
+    manifest = model_dir / "bcstack_model.json"
+    if manifest.is_file():
+        try:
+            files = json.loads(manifest.read_text()).get("files", {})
+        except json.JSONDecodeError:
+            files = {}
+        if isinstance(files, dict) and isinstance(files.get("model.safetensors"), str):
+            return "sha256:" + files["model.safetensors"]
     return None

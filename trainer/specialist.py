@@ -267,9 +267,15 @@ async def _collect(
     n: int,
     settings: SamplingSettings,
     seed: int,
+    context_length: int | None = None,
 ) -> list[list[Response]]:
     return list(
-        await asyncio.gather(*(sample_responses(client, codec, r, n, settings, seed=seed) for r in rows))
+        await asyncio.gather(
+            *(
+                sample_responses(client, codec, r, n, settings, seed=seed, context_length=context_length)
+                for r in rows
+            )
+        )
     )
 
 
@@ -350,6 +356,7 @@ async def _train(cfg: SpecialistConfig, say: Callable[[str], None]) -> dict[str,
             await reload_engine(client, path, "lora-0")
         if not cfg.resume and metrics_path.exists():
             metrics_path.unlink()
+        # SGLang's /get_model_info has no context length; the CPU engine reports one: cap by it then.
         max_context = (await client.model_info()).get("context_length")
         started = time.perf_counter()
         while update < cfg.steps:
@@ -357,7 +364,7 @@ async def _train(cfg: SpecialistConfig, say: Callable[[str], None]) -> dict[str,
             t0 = time.perf_counter()
             batch_rows = [rows[i] for i in sampler.take(cfg.prompts_per_step)]
             groups = await _collect(
-                client, codec, batch_rows, cfg.responses, settings, cfg.seed * 1_000_003 + update
+                client, codec, batch_rows, cfg.responses, settings, cfg.seed * 1_000_003 + update, max_context
             )
             rewards = [
                 [float(verifier.score(r.text, row.label).correct) for r in g]
@@ -377,21 +384,17 @@ async def _train(cfg: SpecialistConfig, say: Callable[[str], None]) -> dict[str,
             stats = {"loss": 0.0, "ppo_clip_fraction": 0.0, "tis_clip_fraction": 0.0}
             grad_norm = 0.0
             if kept:
-                chunks = [kept[i :: cfg.mini_batches] for i in range(cfg.mini_batches)]
                 logp_old = None
-                if cfg.mini_batches > 1:
+                if cfg.mini_batches > 1:  # the old policy's log-probs, fixed before the first step
                     with torch.no_grad():
                         logp_old = _old_logprobs(peft_model, kept, cfg.micro_batch_tokens)
-                offset = 0
-                for chunk in chunks:
+                for first in range(cfg.mini_batches):
+                    positions = range(first, len(kept), cfg.mini_batches)
+                    chunk = [kept[i] for i in positions]
                     if not chunk:
                         continue
                     optimizer.zero_grad(set_to_none=True)
-                    old = None
-                    if logp_old is not None:
-                        idx = list(range(offset, len(kept), cfg.mini_batches))
-                        old = {k: logp_old[i] for k, i in enumerate(idx)}
-                    offset += 1
+                    old = None if logp_old is None else {k: logp_old[i] for k, i in enumerate(positions)}
                     part = policy_loss_step(
                         peft_model.get_base_model(),
                         chunk,
@@ -446,26 +449,31 @@ async def _train(cfg: SpecialistConfig, say: Callable[[str], None]) -> dict[str,
                 f"(constant groups {counts.constant_groups}, length-stopped {counts.truncated}) "
                 f"loss {stats['loss']:.4f}{dev} {line['update_seconds']:.1f}s"
             )
-        del max_context
-        adapter_dir = cfg.out / "adapter"
-        shutil.rmtree(adapter_dir, ignore_errors=True)
-        peft_model.save_pretrained(str(adapter_dir), save_embedding_layers=False)
         say("merging the adapter into the base (FP32 merge, BF16 export, logits check)")
-        provenance = merge_lora(cfg.base, adapter_dir, cfg.out / "serving", force=True, say=lambda _m: None)
-        summary = {
-            "updates": update,
-            "seconds": round(time.perf_counter() - started, 1),
-            "adapter": str(adapter_dir),
-            "serving": str(cfg.out / "serving"),
-            "adapter_tensors": provenance["adapter_tensors"],
-            "logits_check": provenance["logits_check"]["passed"],
-        }
-        (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
+        return finish_run(peft_model, cfg.base, cfg.out, updates=update, started=started)
     except EngineError as e:
         raise SpecialistError(f"engine {cfg.engine_url}: {e}") from None
     finally:
         await client.close()
+
+
+def finish_run(peft_model: Any, base: Path, out: Path, *, updates: int, started: float) -> dict[str, Any]:
+    """Save OUT/adapter, merge it into OUT/serving (checked), write and return OUT/summary.json."""
+    adapter_dir = out / "adapter"
+    shutil.rmtree(adapter_dir, ignore_errors=True)
+    # The head's base weight is the base's own (untied copy of the embedding): not saved again.
+    peft_model.save_pretrained(str(adapter_dir), save_embedding_layers=False)
+    provenance = merge_lora(base, adapter_dir, out / "serving", force=True)
+    summary = {
+        "updates": updates,
+        "seconds": round(time.perf_counter() - started, 1),
+        "adapter": str(adapter_dir),
+        "serving": str(out / "serving"),
+        "adapter_tensors": provenance["adapter_tensors"],
+        "logits_check": provenance["logits_check"]["passed"],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def _old_logprobs(model: Any, kept: Sequence[tuple[Response, float]], budget: int) -> list[torch.Tensor]:

@@ -177,10 +177,15 @@ def report(
 @app.command("passk")
 def passk(
     model: list[str] = typer.Option(
-        ...,
+        [],
         "--model",
         help="A model, repeatable: NAME=DIR (a model folder; a CPU engine is started for it) or NAME=URL "
         "(a running SGLang or `bcstack serve engine`). DIR or URL alone names it after the folder.",
+    ),
+    engine: list[str] = typer.Option(
+        [],
+        "--engine",
+        help="A model served by a running engine, repeatable: NAME=URL (the same as --model NAME=URL).",
     ),
     prompts: list[str] = typer.Option(
         ...,
@@ -230,7 +235,10 @@ def passk(
 
     console = Console(stderr=True)
     try:
-        models = [parse_model(m) for m in model]
+        for e in engine:
+            if not e.partition("=")[2].startswith(("http://", "https://")) and not e.startswith("http"):
+                raise PasskError(f"--engine {e!r}: expected NAME=URL (http or https)")
+        models = [parse_model(m) for m in [*model, *engine]]
         benches = [parse_benchmark(p) for p in prompts]
         with Progress(
             TextColumn("{task.description}"),

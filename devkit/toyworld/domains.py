@@ -226,3 +226,28 @@ def write_domain(
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+UNREQUESTED_FORMAT = "The answer is {answer}."
+
+
+def write_mixed_format_sft(sources: list[Path], out: Path, share: float, seed: int = 0) -> int:
+    """Concatenate sft.jsonl files, `share` of the replies ending "The answer is N." instead of the
+    requested "Answer: N" line (which is the only one the verifier reads): the SFT rows of a base that
+    half-follows a requested answer format, as bench/specialists.py and the tests make their base.
+    Returns the number of rewritten replies.
+    """
+    if not 0 <= share <= 1:
+        raise DomainError(f"the share of replies in the unrequested format must be in [0, 1], got {share}")
+    rng = random.Random(seed)
+    rewritten = 0
+    with out.open("w", encoding="utf-8") as f:
+        for path in sources:
+            for line in path.read_text(encoding="utf-8").splitlines():
+                row = json.loads(line)
+                if rng.random() < share:
+                    work, answer = row["messages"][1]["content"].rsplit("\nAnswer: ", 1)
+                    row["messages"][1]["content"] = f"{work}\n" + UNREQUESTED_FORMAT.format(answer=answer)
+                    rewritten += 1
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return rewritten
