@@ -19,8 +19,11 @@ Every step is the stack's own command, run as a user would run it:
 5. `bcstack eval passk` of all four models on both test splits (4 samples, T 0.7, top-p 0.8, top-k 20),
    paired 95% intervals against the base.
 
-The learning rates are the CPU's, not the seed's: a 1.6M-parameter model with LoRA on 16-ish prompts
-per update moves nowhere at the seed's 1e-5 in minutes (`--rl-lr`, `--distill-lr`). Results, with the
+The learning rates are the CPU's, not the seed's 1e-5: with LoRA on the 0.87M-parameter model, a
+probe at 1e-4 left the greedy development score where it was after 40 updates, so the runs take 1e-3
+(`--rl-lr`, `--distill-lr`). `--format-share 0` makes a base that already writes the requested answer
+line, to see what RL does to the skill itself. A killed run resumes: a stage whose output exists
+is skipped. Results, with the
 command, commit, machine and each stage's seconds, go to bench/results/specialists.md.
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +63,63 @@ def bcstack(*args: str, log: Path) -> None:
         raise SystemExit(f"bcstack {' '.join(args[:2])} failed (exit {done.returncode}): {' | '.join(tail)}")
 
 
+LENIENT_ANSWER = re.compile(r"(?:^Answer:|The answer is)\s*(-?\d+)", re.MULTILINE)
+
+
+def format_table(work: Path, results: dict) -> Table:
+    """What the gains are made of: the requested format's share, and accuracy in either format.
+
+    "Right in either format" reads the last "Answer: N" or "The answer is N" (the base's other
+    format); the verifier reads only the first; its Δ has the same paired interval as pass@1's.
+    A model gains pass@1 by following the format more often (the requested share up, either-format
+    accuracy flat) or by answering right more often (either-format accuracy up).
+    """
+    labels = {}
+    for d in DOMAINS:
+        for line in (work / d / "test.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            labels[(d, row["id"])] = int(row["label"])
+    from bcstack.evaluation.passk import paired_bootstrap
+
+    stats: dict[tuple[str, str], list[int]] = {}
+    per_prompt: dict[tuple[str, str], dict[str, list[int]]] = {}
+    for line in (work / "passk" / "responses.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        found = LENIENT_ANSWER.findall(r["text"])
+        right = bool(found) and int(found[-1]) == labels[(r["benchmark"], r["prompt_id"])]
+        cell = stats.setdefault((r["model"], r["benchmark"]), [0, 0, 0])
+        cell[0] += 1
+        cell[1] += bool(re.search(r"^Answer:", r["text"], re.MULTILINE))
+        cell[2] += right
+        per_prompt.setdefault((r["model"], r["benchmark"]), {}).setdefault(r["prompt_id"], []).append(right)
+    rows = []
+    for m in results["models"]:
+        for b in results["benchmarks"]:
+            n, req, ok = stats[(m, b)]
+            mine, base = per_prompt[(m, b)], per_prompt[(results["baseline"], b)]
+            diffs = [sum(mine[q]) / len(mine[q]) - sum(base[q]) / len(base[q]) for q in sorted(base)]
+            lo, hi = paired_bootstrap(diffs)
+            rows.append(
+                [m, b, results["cells"][m][b]["pass_at_1"], 100 * req / n, 100 * ok / n,
+                 100 * sum(diffs) / len(diffs), 100 * lo, 100 * hi]
+            )  # fmt: skip
+    return Table(
+        "What the gains are made of (percent of sampled responses)",
+        [
+            "model",
+            "benchmark",
+            "pass@1 (verifier)",
+            "requested 'Answer:' format",
+            "right in either format",
+            "Δ either-format pp vs base",
+            "CI low",
+            "CI high",
+        ],
+        rows,
+        notes=[format_table.__doc__.split("\n\n")[1].replace("\n    ", " ").strip()],
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=None, help="Working folder (default: a temporary one).")
@@ -85,181 +146,202 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     logs = work / "logs"
     logs.mkdir(exist_ok=True)
-    seconds: dict[str, float] = {}
+    seconds_file = work / "seconds.json"
+    seconds: dict[str, float] = json.loads(seconds_file.read_text()) if seconds_file.exists() else {}
 
-    def stage(name: str):
-        class _T:
-            def __enter__(self):
-                self.t = time.perf_counter()
-                print(f"[{name}] …", flush=True)
+    class stage:
+        """Times a stage and keeps its seconds in WORK/seconds.json."""
 
-            def __exit__(self, *exc):
-                seconds[name] = round(time.perf_counter() - self.t, 1)
-                print(f"[{name}] {seconds[name]} s", flush=True)
+        def __init__(self, name: str) -> None:
+            self.name = name
 
-        return _T()
+        def __enter__(self) -> None:
+            self.t = time.perf_counter()
+            print(f"[{self.name}] …", flush=True)
 
-    with stage("domains"):
-        for d in DOMAINS:
+        def __exit__(self, kind, exc, tb) -> None:
+            if kind is None:
+                seconds[self.name] = round(time.perf_counter() - self.t, 1)
+                seconds_file.write_text(json.dumps(seconds, indent=2))
+                print(f"[{self.name}] {seconds[self.name]} s", flush=True)
+
+    def done_before(name: str, marker: Path) -> bool:
+        """A stage whose output exists is not run again: a killed run resumes where it stopped."""
+        if marker.exists():
+            print(f"[{name}] done before ({marker}); skipped", flush=True)
+            return True
+        return False
+
+    if not done_before("domains", work / DOMAINS[-1] / "manifest.json"):
+        with stage("domains"):
+            for d in DOMAINS:
+                bcstack(
+                    "toyworld",
+                    "math",
+                    "--domain",
+                    d,
+                    "--out",
+                    str(work / d),
+                    "--train",
+                    str(args.train),
+                    "--test",
+                    str(args.test),
+                    "--force",
+                    log=logs / f"domain-{d}.log",
+                )
+    if not done_before("kit", work / "kit" / "config.json"):
+        with stage("kit"):
+            corpus = work / "corpus.jsonl"
+            corpus.write_text("".join((work / d / "corpus.jsonl").read_text() for d in DOMAINS))
             bcstack(
-                "toyworld",
-                "math",
-                "--domain",
-                d,
+                "model",
+                "tiny",
                 "--out",
-                str(work / d),
-                "--train",
-                str(args.train),
-                "--test",
-                str(args.test),
+                str(work / "kit"),
+                "--corpus",
+                str(corpus),
+                "--hidden-size",
+                "128",
+                "--layers",
+                "4",
+                "--vocab-size",
+                "1024",
                 "--force",
-                log=logs / f"domain-{d}.log",
+                log=logs / "kit.log",
             )
-    with stage("kit"):
-        corpus = work / "corpus.jsonl"
-        corpus.write_text("".join((work / d / "corpus.jsonl").read_text() for d in DOMAINS))
-        bcstack(
-            "model",
-            "tiny",
-            "--out",
-            str(work / "kit"),
-            "--corpus",
-            str(corpus),
-            "--hidden-size",
-            "128",
-            "--layers",
-            "4",
-            "--vocab-size",
-            "1024",
-            "--force",
-            log=logs / "kit.log",
-        )
-    with stage("base SFT"):
-        write_mixed_format_sft(
-            [work / d / "sft.jsonl" for d in DOMAINS], work / "base-sft.jsonl", args.format_share
-        )
-        bcstack(
-            "train",
-            "sft",
-            "--model",
-            str(work / "kit"),
-            "--source",
-            f"both={work / 'base-sft.jsonl'}",
-            "--out",
-            str(work / "base"),
-            "--lr",
-            "3e-3",
-            "--min-lr",
-            "3e-4",
-            "--epochs",
-            str(args.sft_epochs),
-            log=logs / "base-sft.log",
-        )
+    if not done_before("base SFT", work / "base" / "serving" / "SHA256SUMS"):
+        with stage("base SFT"):
+            write_mixed_format_sft(
+                [work / d / "sft.jsonl" for d in DOMAINS], work / "base-sft.jsonl", args.format_share
+            )
+            bcstack(
+                "train",
+                "sft",
+                "--model",
+                str(work / "kit"),
+                "--source",
+                f"both={work / 'base-sft.jsonl'}",
+                "--out",
+                str(work / "base"),
+                "--lr",
+                "3e-3",
+                "--min-lr",
+                "3e-4",
+                "--epochs",
+                str(args.sft_epochs),
+                log=logs / "base-sft.log",
+            )
     base = work / "base" / "serving"
     specialists = {}
     for d in DOMAINS:
-        with stage(f"RL {d}"):
+        if not done_before(f"RL {d}", work / f"rl-{d}" / "summary.json"):
+            with stage(f"RL {d}"):
+                port = free_port()
+                env_log = logs / f"engine-rl-{d}.log"
+                os.environ["BCSTACK_ADMIN_TOKEN"] = ADMIN
+                with process(
+                    ["serve", "engine", "--model", str(base), "--port", str(port)],
+                    f"http://127.0.0.1:{port}/health_generate",
+                    env_log,
+                ):
+                    bcstack(
+                        "train",
+                        "grpo",
+                        "--env",
+                        "math",
+                        "--model",
+                        str(base),
+                        "--engine",
+                        f"http://127.0.0.1:{port}",
+                        "--prompts",
+                        str(work / d / "train.jsonl"),
+                        "--dev-prompts",
+                        str(work / d / "dev.jsonl"),
+                        "--out",
+                        str(work / f"rl-{d}"),
+                        "--steps",
+                        str(args.rl_steps),
+                        "--prompts-per-step",
+                        str(args.prompts_per_step),
+                        "--max-response-tokens",
+                        str(args.max_new_tokens),
+                        "--lr",
+                        str(args.rl_lr),
+                        "--warmup-updates",
+                        "2",
+                        "--eval-every",
+                        "10",
+                        log=logs / f"rl-{d}.log",
+                    )
+        specialists[d] = work / f"rl-{d}" / "serving"
+    if not done_before("distill", work / "student" / "summary.json"):
+        with stage("distill"):
+            mixed = work / "mixed-train.jsonl"
+            mixed.write_text("".join((work / d / "train.jsonl").read_text() for d in DOMAINS))
+            teachers = work / "teachers.json"
+            teachers.write_text(
+                json.dumps(
+                    {
+                        "enable_thinking": False,
+                        "teachers": {d: {"model": str(p)} for d, p in specialists.items()},
+                    }
+                )
+            )
             port = free_port()
-            env_log = logs / f"engine-rl-{d}.log"
-            os.environ["BCSTACK_ADMIN_TOKEN"] = ADMIN
             with process(
                 ["serve", "engine", "--model", str(base), "--port", str(port)],
                 f"http://127.0.0.1:{port}/health_generate",
-                env_log,
+                logs / "engine-distill.log",
             ):
                 bcstack(
                     "train",
-                    "grpo",
-                    "--env",
-                    "math",
+                    "distill",
+                    "--teachers",
+                    str(teachers),
                     "--model",
                     str(base),
                     "--engine",
                     f"http://127.0.0.1:{port}",
                     "--prompts",
-                    str(work / d / "train.jsonl"),
-                    "--dev-prompts",
-                    str(work / d / "dev.jsonl"),
+                    str(mixed),
                     "--out",
-                    str(work / f"rl-{d}"),
+                    str(work / "student"),
                     "--steps",
-                    str(args.rl_steps),
+                    str(args.distill_steps),
                     "--prompts-per-step",
                     str(args.prompts_per_step),
+                    "--responses",
+                    "2",
                     "--max-response-tokens",
                     str(args.max_new_tokens),
                     "--lr",
-                    str(args.rl_lr),
+                    str(args.distill_lr),
                     "--warmup-updates",
                     "2",
-                    "--eval-every",
-                    "10",
-                    log=logs / f"rl-{d}.log",
+                    log=logs / "distill.log",
                 )
-            specialists[d] = work / f"rl-{d}" / "serving"
-    with stage("distill"):
-        mixed = work / "mixed-train.jsonl"
-        mixed.write_text("".join((work / d / "train.jsonl").read_text() for d in DOMAINS))
-        teachers = work / "teachers.json"
-        teachers.write_text(
-            json.dumps(
-                {"enable_thinking": False, "teachers": {d: {"model": str(p)} for d, p in specialists.items()}}
-            )
-        )
-        port = free_port()
-        with process(
-            ["serve", "engine", "--model", str(base), "--port", str(port)],
-            f"http://127.0.0.1:{port}/health_generate",
-            logs / "engine-distill.log",
-        ):
+    if not done_before("pass@k", work / "passk" / "results.json"):
+        with stage("pass@k"):
+            models = [
+                f"base={base}",
+                *(f"{d}-specialist={p}" for d, p in specialists.items()),
+                f"MOPD-student={work / 'student' / 'serving'}",
+            ]
             bcstack(
-                "train",
-                "distill",
-                "--teachers",
-                str(teachers),
-                "--model",
-                str(base),
-                "--engine",
-                f"http://127.0.0.1:{port}",
-                "--prompts",
-                str(mixed),
-                "--out",
-                str(work / "student"),
-                "--steps",
-                str(args.distill_steps),
-                "--prompts-per-step",
-                str(args.prompts_per_step),
-                "--responses",
-                "2",
-                "--max-response-tokens",
+                "eval",
+                "passk",
+                *(x for m in models for x in ("--model", m)),
+                *(x for d in DOMAINS for x in ("--prompts", f"{d}={work / d / 'test.jsonl'}")),
+                "--samples",
+                str(args.samples),
+                "--max-new-tokens",
                 str(args.max_new_tokens),
-                "--lr",
-                str(args.distill_lr),
-                "--warmup-updates",
-                "2",
-                log=logs / "distill.log",
+                "--baseline",
+                "base",
+                "--out",
+                str(work / "passk"),
+                log=logs / "passk.log",
             )
-    with stage("pass@k"):
-        models = [
-            f"base={base}",
-            *(f"{d}-specialist={p}" for d, p in specialists.items()),
-            f"MOPD-student={work / 'student' / 'serving'}",
-        ]
-        bcstack(
-            "eval",
-            "passk",
-            *(x for m in models for x in ("--model", m)),
-            *(x for d in DOMAINS for x in ("--prompts", f"{d}={work / d / 'test.jsonl'}")),
-            "--samples",
-            str(args.samples),
-            "--max-new-tokens",
-            str(args.max_new_tokens),
-            "--baseline",
-            "base",
-            "--out",
-            str(work / "passk"),
-            log=logs / "passk.log",
-        )
     results = json.loads((work / "passk" / "results.json").read_text())
     rows = []
     for model in results["models"]:
@@ -311,6 +393,7 @@ def main() -> None:
             rows,
             notes=["Δ: paired per-prompt pass@1 difference from the base, BCa bootstrap over prompts (95%)."],
         ),
+        format_table(work, results),
         Table("Stage seconds", ["stage", "seconds"], [[k, v] for k, v in seconds.items()]),
     ]
     path = write_results("specialists", tables, {"work": str(work)}, args.results)

@@ -41,6 +41,7 @@ def test_constant_groups_length_stops_and_zero_advantages_get_no_gradient_and_ar
     assert stats.sampled == 12 and stats.constant_groups == 1
     assert stats.truncated == 1 and stats.zero_advantage == 2
     assert stats.gradient_examples == len(kept) == 12 - 4 - 1 - 2
+    assert stats.gradient_examples + 4 * stats.constant_groups + stats.truncated + stats.zero_advantage == 12
     assert [a for _, a in kept[:3]] == [0.75, -0.25, -0.25]
     assert all(r.finish_reason != "length" for r, _ in kept)
 

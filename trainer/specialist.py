@@ -136,7 +136,8 @@ def select_examples(
 ) -> tuple[list[tuple[Response, float]], GroupStats]:
     """The (response, advantage) pairs that get a gradient, and the counts of what was left out.
 
-    Order of exclusion (each response counted once): a group whose rewards are all equal (its
+    Order of exclusion (each response counted once, so gradient examples + responses of constant
+    groups + length-stopped + zero-advantage = sampled): a group whose rewards are all equal (its
     advantages are all 0: nothing to learn, seed: "constant-reward groups"), then responses stopped
     at the length limit, then responses whose centred advantage is exactly 0.
     """
@@ -146,7 +147,6 @@ def select_examples(
         stats.sampled += len(group)
         if len(set(group_rewards)) <= 1:
             stats.constant_groups += 1
-            stats.truncated += sum(r.truncated for r in group)
             continue
         for response, advantage in zip(group, centred_advantages(group_rewards), strict=True):
             if response.truncated:
