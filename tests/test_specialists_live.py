@@ -2,7 +2,7 @@
 pass@1, multi-teacher on-policy distillation raises a student on two domains, and a teacher with
 another tokenizer is refused. Every step is the real command (`bcstack ...` processes).
 
-The base is the tiny model SFT'd on both toy domains' worked replies, three in four of them ending
+The base is the tiny model SFT'd on both toy domains' worked replies, half of them ending
 "The answer is N." where the prompt asks for an "Answer: N" line (the only one the verifier reads):
 a base that half-follows the requested format, which RL and distillation can fix in the minutes a
 test has. bench/specialists.py is the long version (more prompts, more updates, the full table).
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 ADMIN = "specialists-test-token"
 DOMAINS = ("arithmetic", "sequence")
-TEST_PROMPTS = 100
+TEST_PROMPTS = 200  # the arithmetic evaluations read the first 100
 
 
 def bcstack(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -64,7 +64,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "--out",
             str(root / d),
             "--train",
-            "1000",
+            "2000",
             "--test",
             str(TEST_PROMPTS),
         )
@@ -84,7 +84,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "--vocab-size",
         "1024",
     )
-    write_mixed_format_sft([root / d / "sft.jsonl" for d in DOMAINS], root / "base-sft.jsonl", share=0.75)
+    write_mixed_format_sft([root / d / "sft.jsonl" for d in DOMAINS], root / "base-sft.jsonl", share=0.5)
     bcstack(
         "train",
         "sft",
@@ -104,14 +104,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "base": root / "base" / "serving"}
 
 
-def _passk(out: Path, models: dict[str, Path], benches: list[str], root: Path) -> dict:
+def _passk(
+    out: Path, models: dict[str, Path], benches: list[str], root: Path, samples: int = 4, limit: int = 100
+) -> dict:
     bcstack(
         "eval",
         "passk",
         *(x for n, p in models.items() for x in ("--model", f"{n}={p}")),
         *(x for d in benches for x in ("--prompts", f"{d}={root / d / 'test.jsonl'}")),
         "--samples",
-        "4",
+        str(samples),
+        "--limit",
+        str(limit),
         "--max-new-tokens",
         "48",
         "--baseline",
@@ -132,19 +136,19 @@ def specialist(world) -> Path:
             "--prompts-per-step", "16", "--responses", "8", "--max-response-tokens", "48",
             "--lr", "1e-3", "--warmup-updates", "2"]  # fmt: skip
     with process:
-        bcstack(*args, "--steps", "11")
+        bcstack(*args, "--steps", "19")
         # A second run resumes from the newest checkpoint: the engine is reloaded to it first.
-        done = bcstack(*args, "--steps", "12", "--resume")
-        assert "resumed at update 11" in done.stdout
+        done = bcstack(*args, "--steps", "20", "--resume")
+        assert "resumed at update 19" in done.stdout
         # the engine serves the last update's merged policy
-        assert httpx.get(f"{url}/get_weight_version").json()["weight_version"] == "lora-12"
+        assert httpx.get(f"{url}/get_weight_version").json()["weight_version"] == "lora-20"
     return root / "rl"
 
 
 def test_lora_grpo_raises_held_out_pass_at_1(world, specialist):
     root = world["root"]
     lines = [json.loads(x) for x in (specialist / "metrics.jsonl").read_text().splitlines()]
-    assert [x["update"] for x in lines] == list(range(1, 13))
+    assert [x["update"] for x in lines] == list(range(1, 21))
     for x in lines:  # the seed's accounting: sampled responses vs gradient examples
         assert x["sampled_responses"] == 128
         excluded = (
@@ -167,7 +171,7 @@ def test_lora_grpo_raises_held_out_pass_at_1(world, specialist):
         f"held-out pass@1: base {base['pass_at_1']:.2f}, LoRA GRPO {cell['pass_at_1']:.2f}, "
         f"{cell['vs_baseline']}"
     )
-    assert cell["prompts"] == TEST_PROMPTS and cell["samples"] == 4
+    assert cell["prompts"] == 100 and cell["samples"] == 4
     assert cell["vs_baseline"]["ci_pp"][0] > 0, cell["vs_baseline"]  # paired interval above zero
 
 
@@ -220,7 +224,7 @@ def test_distillation_from_two_teachers_raises_the_student_on_both_domains(world
             "--out",
             str(root / "student"),
             "--steps",
-            "10",
+            "14",
             "--prompts-per-step",
             "16",
             "--responses",
@@ -235,12 +239,16 @@ def test_distillation_from_two_teachers_raises_the_student_on_both_domains(world
     assert "reverse KL per token: arithmetic" in done.stdout
     lines = [json.loads(x) for x in (root / "student" / "metrics.jsonl").read_text().splitlines()]
     assert set(lines[0]["reverse_kl"]) == set(DOMAINS)  # every domain routed to its teacher
-    results = _passk(
-        root / "passk-student", {"base": base, "student": root / "student" / "serving"}, list(DOMAINS), root
-    )
+    models = {"base": base, "student": root / "student" / "serving"}
+    # The tiny model is right on ~8% of sequence prompts in either format, so the student's gain
+    # there is a few points: 200 prompts x 8 samples measure it; 100 x 4 do for arithmetic.
+    results = {
+        "arithmetic": _passk(root / "passk-student-a", models, ["arithmetic"], root),
+        "sequence": _passk(root / "passk-student-s", models, ["sequence"], root, samples=8, limit=200),
+    }
     for d in DOMAINS:
-        cell = results["cells"]["student"][d]
-        print(f"{d}: base {results['cells']['base'][d]['pass_at_1']:.2f}, student {cell['pass_at_1']:.2f}")
+        cell = results[d]["cells"]["student"][d]
+        print(f"{d}: base {results[d]['cells']['base'][d]['pass_at_1']:.2f}, student {cell['pass_at_1']:.2f}")
         assert cell["vs_baseline"]["ci_pp"][0] > 0, (d, cell["vs_baseline"])
 
 
