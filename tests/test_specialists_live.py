@@ -133,7 +133,7 @@ def specialist(world) -> Path:
     process, url = _engine(base)
     args = ["train", "grpo", "--env", "math", "--model", str(base), "--engine", url,
             "--prompts", str(root / "arithmetic" / "train.jsonl"), "--out", str(root / "rl"),
-            "--prompts-per-step", "16", "--responses", "8", "--max-response-tokens", "48",
+            "--prompts-per-step", "32", "--responses", "8", "--max-response-tokens", "48",
             "--lr", "1e-3", "--warmup-updates", "2"]  # fmt: skip
     with process:
         bcstack(*args, "--steps", "19")
@@ -150,11 +150,11 @@ def test_lora_grpo_raises_held_out_pass_at_1(world, specialist):
     lines = [json.loads(x) for x in (specialist / "metrics.jsonl").read_text().splitlines()]
     assert [x["update"] for x in lines] == list(range(1, 21))
     for x in lines:  # the seed's accounting: sampled responses vs gradient examples
-        assert x["sampled_responses"] == 128
+        assert x["sampled_responses"] == 256
         excluded = (
             8 * x["constant_reward_groups"] + x["zero_advantage_responses"] + x["length_stopped_responses"]
         )
-        assert x["gradient_examples"] + excluded == 128 and x["gradient_examples"] > 0
+        assert x["gradient_examples"] + excluded == 256 and x["gradient_examples"] > 0
     provenance = json.loads((specialist / "serving" / "model_provenance.json").read_text())
     # 4 layers x 7 modules + lm_head, an A and a B each; every one applied, logits exact after BF16
     assert provenance["adapter_tensors"] == 58 and provenance["logits_check"]["passed"]

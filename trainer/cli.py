@@ -385,7 +385,7 @@ def grpo(
     from trainer.checkpoint import CheckpointError
     from trainer.data import SampleError
     from trainer.export import ExportError
-    from trainer.grpo import GRPOError, rule_grades, train
+    from trainer.grpo import LR, GRPOError, rule_grades, train
 
     graders = {GraderChoice.rule: rule_grades}
     try:
@@ -394,7 +394,7 @@ def grpo(
             model,
             ref,
             out,
-            lr=1e-6 if lr is None else lr,
+            lr=LR if lr is None else lr,
             micro_batch_tokens=micro_batch_tokens,
             grader=graders[grader],
             steps=steps,
