@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore
 PIP=("$PY" -m pip install --disable-pip-version-check -q -c constraints.txt)
-APT_PACKAGES=(prometheus openssl)  # openssl: a test signs a stand-in Kubernetes API certificate
+# openssl: a test signs a stand-in Kubernetes API certificate; chromium + chromium-driver: the
+# episode viewer's browser test (tests/test_viewer_browser.py) drives headless Chromium with selenium.
+APT_PACKAGES=(prometheus openssl chromium chromium-driver)
 
 # 1. Debian packages the tests use (a real Prometheus server scrapes our /metrics; openssl).
 missing=()

@@ -5,7 +5,8 @@ records it durably as a `core.records.EpisodeRecord` before anyone hears of it.
 
 HTTP: `POST /v1/episodes` (`?stream=true`: server-sent events), `GET /v1/episodes/{id}` (the
 stored record, in the current schema), `GET /v1/episodes` (summaries), `GET|PUT /admin/coordinator`
-(bearer token), `/health`, `/metrics`. gRPC: `bcstack.v1.CoordinatorService/RunEpisode`; its
+(bearer token), `/health`, `/metrics`, and the read-only episode viewer `GET /ui`,
+`GET /ui/episodes/{id}` (`services.coordinator.ui`). gRPC: `bcstack.v1.CoordinatorService/RunEpisode`; its
 messages convert to and from the record through `google.protobuf.json_format`.
 """
 
@@ -44,6 +45,8 @@ from services.coordinator.gateway import (
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.registry import EndpointRegistry, RegistryError
 from services.coordinator.settings import CoordinatorSettings
+from services.coordinator.ui import add_viewer
+from services.coordinator.viewer import TokenDecoder
 from services.coordinator.workers import WorkerPool
 
 SERVICE = "coordinator"
@@ -61,7 +64,9 @@ def _sse(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def build_http(core: GatewayCore, registry: CollectorRegistry, started: float) -> FastAPI:
+def build_http(
+    core: GatewayCore, registry: CollectorRegistry, started: float, decoder: TokenDecoder | None = None
+) -> FastAPI:
     settings = core.settings
     background: set[asyncio.Task] = set()
 
@@ -170,6 +175,7 @@ def build_http(core: GatewayCore, registry: CollectorRegistry, started: float) -
             log.warning("coordinator endpoint change refused: %s", exc)
             return _error(409, str(exc))
 
+    add_viewer(app, core, decoder)
     return app
 
 
@@ -271,12 +277,14 @@ def build(settings: CoordinatorSettings) -> tuple[FastAPI, GrpcServer | None, Ga
         on_attempt=lambda replica, outcome: metrics.worker_attempts.labels(replica, outcome).inc(),
         max_message_bytes=settings.grpc_max_message_bytes,
     )
+    # A tokenizer that cannot be loaded stops the start (DecoderError, one line): it was asked for.
+    decoder = TokenDecoder.load(settings.tokenizer) if settings.tokenizer is not None else None
     try:
         store = RecordStore(settings.records_path)
     except RecordStoreError:
         raise
     core = GatewayCore(settings, endpoints, pool, store, metrics)
-    app = build_http(core, registry, time.time())
+    app = build_http(core, registry, time.time(), decoder)
     server = None
     if settings.grpc_port is not None:
         server = GrpcServer(SERVICE, settings, registry)

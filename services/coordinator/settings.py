@@ -17,7 +17,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from core.kit.settings import ServiceSettings
+from core.kit.settings import OptionalSecret, ServiceSettings
 from core.kit.upstream import EndpointSpec, HttpClientName
 
 
@@ -95,6 +95,18 @@ class CoordinatorSettings(ServiceSettings):
     # --- records ---
     records_path: Path = Field(
         Path("coordinator-records.sqlite"), description="SQLite file of durable episode records"
+    )
+
+    # --- the episode viewer (GET /ui; README "Episode viewer") ---
+    tokenizer: Path | None = Field(
+        None,
+        description="the worker model's tokenizer folder (tokenizer.json): the viewer decodes trajectory "
+        "token ids with it; unset = the viewer shows token counts and ids, no text",
+    )
+    viewer_token: OptionalSecret = Field(
+        None,
+        description="bearer token of the read-only episode viewer (/ui), so readers need not hold the "
+        "admin token; /ui takes it or the admin token, and is open only when neither is set",
     )
 
     @field_validator("workers", mode="before")
