@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import inspect
 import logging
 import signal
 import threading
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
@@ -101,6 +103,94 @@ def service_full_name(add_fn: Callable[..., Any]) -> str:
         raise ValueError(f"{pb2.__name__} declares no service {short!r}") from None
 
 
+class _Undecodable:
+    """What the request deserializer hands on when the bytes are no valid request message."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
+    """A request whose bytes do not parse as the RPC's request message is INVALID_ARGUMENT with the
+    parser's reason. Left alone, grpc.aio answers UNKNOWN ("Unexpected DecodeError"), the code of
+    a servicer bug, and the call never reaches the interceptors that count it.
+
+    The deserializer cannot abort the call itself, so it passes a marker to the behaviour, which
+    aborts before the servicer runs."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except DecodeError as exc:
+                return _Undecodable(f"the request is not a valid message: {exc}")
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+        def checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def each() -> Any:
+                async for request in requests:
+                    await refuse(request, context)
+                    yield request
+
+            return each()
+
+        serialize = handler.response_serializer
+        if handler.unary_unary or handler.stream_unary:
+            behavior = handler.unary_unary or handler.stream_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if handler.unary_unary:
+                    await refuse(request, context)
+                else:
+                    request = checked(request, context)
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+
+            make = (
+                grpc.unary_unary_rpc_method_handler
+                if handler.unary_unary
+                else grpc.stream_unary_rpc_method_handler
+            )
+            return make(unary, request_deserializer=deserialize, response_serializer=serialize)
+        behavior = handler.unary_stream or handler.stream_stream
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if handler.unary_stream:
+                await refuse(request, context)
+            else:
+                request = checked(request, context)
+            result = behavior(request, context)
+            if hasattr(result, "__aiter__"):  # an async generator servicer
+                async for response in result:
+                    yield response
+            elif inspect.isawaitable(result):  # a coroutine servicer writing with context.write
+                await result
+            else:
+                for response in result:
+                    yield response
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.unary_stream
+            else grpc.stream_stream_rpc_method_handler
+        )
+        return make(stream, request_deserializer=deserialize, response_serializer=serialize)
+
+
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -124,7 +214,11 @@ class GrpcServer:
         self.settings = settings
         self.registry = registry if registry is not None else new_registry()
         self.health = health.aio.HealthServicer()
-        self._interceptors = [GrpcMetricsInterceptor(service_name, self.registry), *interceptors]
+        self._interceptors = [
+            GrpcMetricsInterceptor(service_name, self.registry),
+            UndecodableRequestInterceptor(),
+            *interceptors,
+        ]
         self._options = [*message_size_options(settings.grpc_max_message_bytes), *options]
         self._bindings: list[tuple[Callable[[Any, grpc.aio.Server], None], Any]] = []
         self._service_names: list[str] = []

@@ -1,0 +1,82 @@
+"""Regression (found by tests/test_grpc_fuzz.py): request bytes that do not parse as the RPC's
+request message are INVALID_ARGUMENT with the parser's reason, counted as such in the metrics,
+for unary and server-streaming RPCs alike; grpc.aio on its own answered UNKNOWN
+("Unexpected DecodeError"), the code of a servicer bug."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+
+from core.kit.grpc_server import GrpcServer, aio_channel
+from core.kit.settings import ServiceSettings, load_settings
+from core.v1 import judge_pb2, judge_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+CORRUPT = b"\x08"  # field 1 as a varint, and the varint is missing
+
+
+class Judge(judge_pb2_grpc.JudgeServiceServicer):
+    async def GradeAnswer(self, request, context):  # noqa: N802 - gRPC method name
+        return judge_pb2.GradeAnswerResponse(correct=True, grader_version="ok")
+
+
+class Worker(worker_pb2_grpc.WorkerServiceServicer):
+    async def RunEpisodes(self, request, context):  # noqa: N802
+        for episode in request.episodes:
+            yield worker_pb2.RunWorkerEpisodeResponse(episode_id=episode.episode_id)
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def test_undecodable_requests_are_invalid_argument_and_the_server_keeps_serving() -> None:
+    async def scenario() -> None:
+        server = GrpcServer("decode-test", load_settings(ServiceSettings, grpc_port=0))
+        server.add(judge_pb2_grpc.add_JudgeServiceServicer_to_server, Judge())
+        server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, Worker())
+        await server.start()
+        try:
+            async with aio_channel(server.target) as channel:
+                grade = channel.unary_unary(
+                    "/bcstack.v1.JudgeService/GradeAnswer",
+                    request_serializer=_identity,
+                    response_deserializer=_identity,
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await grade(CORRUPT, timeout=5)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "bcstack.v1.GradeAnswerRequest" in err.value.details()
+
+                run = channel.unary_stream(
+                    "/bcstack.v1.WorkerService/RunEpisodes",
+                    request_serializer=_identity,
+                    response_deserializer=_identity,
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in run(b"\x0a\xff\xff\xff\xff\x0f", timeout=5):
+                        pass
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+                # well-formed requests are untouched, unary and streaming
+                reply = await judge_pb2_grpc.JudgeServiceStub(channel).GradeAnswer(
+                    judge_pb2.GradeAnswerRequest(response="x", correct_answer="x"), timeout=5
+                )
+                assert reply.correct
+                batch = worker_pb2.RunWorkerEpisodesRequest(
+                    episodes=[worker_pb2.RunWorkerEpisodeRequest(episode_id=i) for i in ("a", "b")]
+                )
+                ids = [
+                    r.episode_id async for r in worker_pb2_grpc.WorkerServiceStub(channel).RunEpisodes(batch)
+                ]
+                assert ids == ["a", "b"]
+        finally:
+            await server.stop(grace=1)
+        metrics = generate_latest(server.registry).decode()
+        assert 'method="/bcstack.v1.JudgeService/GradeAnswer",service="decode-test"' in metrics
+        assert 'code="INVALID_ARGUMENT"' in metrics and 'code="UNKNOWN"' not in metrics
+
+    asyncio.run(scenario())
