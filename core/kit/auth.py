@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import secrets
 
-from fastapi import HTTPException, Request, status
+from fastapi import HTTPException, Request, Security, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 
 ADMIN_DISABLED_DETAIL = "admin endpoints are disabled: no admin token is configured (set BCSTACK_ADMIN_TOKEN)"
@@ -37,7 +38,14 @@ def bearer_token(request: Request) -> str | None:
     return token.strip()
 
 
-async def require_admin(request: Request) -> None:
+# Declares the bearer scheme in each admin operation's OpenAPI `security` (so a client, or the
+# fuzzer of tests/http_fuzz.py, can tell admin operations apart); the check itself is below.
+_ADMIN_SCHEME = HTTPBearer(auto_error=False, scheme_name="admin", description="BCSTACK_ADMIN_TOKEN")
+
+
+async def require_admin(
+    request: Request, _declared: HTTPAuthorizationCredentials | None = Security(_ADMIN_SCHEME)
+) -> None:
     """FastAPI dependency: 403 when disabled, 401 without credentials, 403 on a wrong token."""
     expected: SecretStr | None = getattr(request.app.state, "admin_token", None)
     if expected is None or not expected.get_secret_value():

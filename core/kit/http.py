@@ -20,6 +20,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -76,7 +77,88 @@ def create_app(
         return JSONResponse(body, status_code=200 if body.get("status") == "ok" else 503)
 
     add_metrics_route(app, registry)
+    _document_kit_responses(app)
     return app
+
+
+_KIT_ERROR = {
+    "content": {
+        "application/json": {
+            "schema": {"type": "object", "properties": {"detail": {"type": "string"}}, "required": ["detail"]}
+        }
+    }
+}
+# What the kit answers before a route runs: documented on every operation it can happen to.
+_BODY_RESPONSES = {
+    "400": {"description": "the request body cannot be parsed (not JSON, not UTF-8)", **_KIT_ERROR},
+    "413": {"description": "the request body is over max_request_bytes", **_KIT_ERROR},
+}
+_ADMIN_RESPONSES = {
+    "401": {"description": "no admin token sent (Authorization: Bearer)", **_KIT_ERROR},
+    "403": {"description": "a wrong admin token, or admin disabled (no BCSTACK_ADMIN_TOKEN)", **_KIT_ERROR},
+}
+
+
+def _document_kit_responses(app: FastAPI) -> None:
+    """Add the kit's own answers (400/413 for a body, 401/403 for an admin operation) to the
+    OpenAPI document where a route did not describe them itself."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    responses = operation.setdefault("responses", {})
+                    extra = {**(_BODY_RESPONSES if "requestBody" in operation else {})}
+                    extra |= _ADMIN_RESPONSES if operation.get("security") else {}
+                    for status, response in extra.items():
+                        responses.setdefault(status, response)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+class KitDetail(BaseModel):
+    """An error with a one-line reason: `{"detail": "..."}` (FastAPI's HTTPException)."""
+
+    detail: str
+
+
+class ValidationIssue(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(BaseModel):
+    """The kit's 422 for a request that fails validation (`_validation_error`)."""
+
+    detail: list[ValidationIssue]
+
+
+def json_body(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
+    """`openapi_extra` documenting `model` as the JSON request body of a route that reads the body
+    itself (to answer in another API's error format). Nested models are inlined, so the document
+    needs no extra components."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(
+                    {**defs[ref.removeprefix("#/$defs/")], **{k: v for k, v in node.items() if k != "$ref"}}
+                )
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {
+        "requestBody": {"required": required, "content": {"application/json": {"schema": inline(schema)}}}
+    }
 
 
 class BodySizeLimit:

@@ -41,10 +41,10 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from core.kit.auth import bearer_token, require_admin, token_matches
-from core.kit.http import create_app
+from core.kit.http import KitDetail, ValidationErrorBody, create_app, json_body
 from core.kit.metrics import new_registry
 from services.coordinator_llm import protocol as proto
 from services.coordinator_llm.faults import GARBAGE_CONTENT, FaultInjector
@@ -78,6 +78,49 @@ class FaultSettings(BaseModel):
     fail_rate: float | None = Field(None, ge=0.0, le=1.0)
     fail_mode: FailMode | None = None
     fault_seed: int | None = None
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str | None
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(BaseModel):
+    """OpenAI's error body."""
+
+    error: OpenAIErrorDetail
+
+
+class FaultState(BaseModel):
+    fail_rate: float
+    fail_mode: FailMode
+    fault_seed: int | None
+
+
+def _openai_error(description: str) -> dict[str, Any]:
+    return {"description": description, "model": OpenAIError}
+
+
+KEYED_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: _openai_error("no API key, or a wrong one (api_key set)")
+}
+CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "a chat.completion; with stream true, chat.completion.chunk events then [DONE]",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    },
+    400: _openai_error("not a JSON object, or an unsupported option (n > 1, logprobs)"),
+    404: _openai_error("the request names another model (model_not_found)"),
+    422: _openai_error("a field with an invalid value"),
+    429: _openai_error("injected fault (fail_mode http429)"),
+    500: _openai_error("injected fault (fail_mode http500), or the policy failed"),
+    **KEYED_RESPONSES,
+}
 
 
 def _error_response(error: proto.RequestError) -> JSONResponse:
@@ -155,7 +198,12 @@ def build_app(
 
     keyed = [Depends(require_api_key)]
 
-    @app.post("/v1/chat/completions", dependencies=keyed)
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=keyed,
+        openapi_extra=json_body(proto.ChatCompletionRequest),
+        responses=CHAT_RESPONSES,
+    )
     async def chat_completions(request: Request) -> Any:
         started = time.perf_counter()
 
@@ -248,11 +296,18 @@ def build_app(
         now = injection["faults"]
         return {"fail_rate": now.rate, "fail_mode": now.mode, "fault_seed": now.seed}
 
-    @app.get("/admin/faults", dependencies=admin)
+    @app.get("/admin/faults", dependencies=admin, response_model=FaultState)
     async def get_faults() -> dict[str, Any]:
         return fault_state()
 
-    @app.put("/admin/faults", dependencies=admin)
+    @app.put(
+        "/admin/faults",
+        dependencies=admin,
+        response_model=FaultState,
+        responses={
+            422: {"description": "an invalid setting", "model": RootModel[ValidationErrorBody | KitDetail]}
+        },
+    )
     async def put_faults(body: FaultSettings) -> dict[str, Any]:
         now = injection["faults"]
         try:
@@ -266,11 +321,15 @@ def build_app(
         log.warning("fault injection set to %s", fault_state())
         return fault_state()
 
-    @app.get("/v1/models", dependencies=keyed)
+    @app.get("/v1/models", dependencies=keyed, responses=KEYED_RESPONSES)
     async def list_models() -> Any:
         return {"object": "list", "data": [proto.model_card(model, created)]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=keyed)
+    @app.get(
+        "/v1/models/{model_id:path}",
+        dependencies=keyed,
+        responses={404: _openai_error("no such model (model_not_found)"), **KEYED_RESPONSES},
+    )
     async def get_model(model_id: str) -> Any:
         if model_id != model:
             return _error_response(

@@ -45,6 +45,7 @@ from prometheus_client import CollectorRegistry
 from core.kit.auth import bearer_token, require_admin, token_matches
 from core.kit.http import create_app
 from core.kit.metrics import new_registry
+from services.engine import openapi as doc
 from services.engine import protocol as proto
 from services.engine.core import EngineCore, EngineUnavailable
 from services.engine.metrics import EngineMetrics
@@ -107,7 +108,7 @@ def build_http_app(
             metrics.rejected.labels(str(status)).inc()
         return _error(status, message)
 
-    @app.api_route("/generate", methods=["POST", "PUT"], dependencies=normal)
+    @app.post("/generate", dependencies=normal, **doc.GENERATE)
     async def generate(request: Request) -> Any:
         try:
             gen = proto.parse_generate_request(await _json_body(request))
@@ -125,7 +126,11 @@ def build_http_app(
             raise
         return JSONResponse(seq.response())
 
-    @app.get("/health_generate")
+    # SGLang serves PUT /generate and GET /flush_cache too; registered apart so that each
+    # operation has its own OpenAPI operationId.
+    app.put("/generate", dependencies=normal, operation_id="generate_put", **doc.GENERATE)(generate)
+
+    @app.get("/health_generate", **doc.HEALTH_GENERATE)
     async def health_generate() -> Any:
         ok, message = await core.health_generate()
         body = {"status": "ok" if ok else "unhealthy", "message": message}
@@ -135,22 +140,29 @@ def build_http_app(
     async def get_model_info() -> Any:
         return core.model_info()
 
-    @app.get("/get_weight_version", dependencies=normal)
+    @app.get("/get_weight_version", dependencies=normal, **doc.WEIGHT_VERSION)
     async def get_weight_version() -> Any:
         return {"weight_version": core.weight_version}
 
-    @app.post("/abort_request", dependencies=normal)
+    @app.post("/abort_request", dependencies=normal, **doc.ABORT)
     async def abort_request(request: Request) -> Any:
         try:
             body = await _json_body(request, empty_ok=True)
-            core.abort_request(body.get("rid"), bool(body.get("abort_all", False)))
+            if not isinstance(body, dict):
+                raise proto.RequestError("The request body must be a JSON object.")
+            rid, abort_all = body.get("rid"), body.get("abort_all", False)
+            if rid is not None and not isinstance(rid, str):
+                raise proto.RequestError("rid must be a string.")
+            if not isinstance(abort_all, bool):
+                raise proto.RequestError("abort_all must be true or false.")
+            core.abort_request(rid, abort_all)
         except proto.RequestError as e:
             return _error(400, str(e))
         except EngineUnavailable as e:
             return _error(503, str(e))
         return PlainTextResponse("", status_code=200)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=admin)
+    @app.post("/flush_cache", dependencies=admin, **doc.FLUSH)
     async def flush_cache() -> Any:
         try:
             await core.flush_cache()
@@ -162,7 +174,9 @@ def build_http_app(
             "waiting requests, the operation will not be performed.)\n"
         )
 
-    @app.post("/pause_generation", dependencies=admin)
+    app.get("/flush_cache", dependencies=admin, operation_id="flush_cache_get", **doc.FLUSH)(flush_cache)
+
+    @app.post("/pause_generation", dependencies=admin, **doc.PAUSE)
     async def pause_generation(request: Request) -> Any:
         try:
             body = await _json_body(request, empty_ok=True)
@@ -176,7 +190,7 @@ def build_http_app(
             return _error(503, str(e))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    @app.post("/continue_generation", dependencies=admin)
+    @app.post("/continue_generation", dependencies=admin, **doc.CONTINUE)
     async def continue_generation() -> Any:
         try:
             core.resume()
@@ -184,7 +198,7 @@ def build_http_app(
             return _error(503, str(e))
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.post("/update_weights_from_disk", dependencies=admin)
+    @app.post("/update_weights_from_disk", dependencies=admin, **doc.UPDATE_WEIGHTS)
     async def update_weights_from_disk(request: Request) -> Any:
         def failed(message: str, status: int = 400) -> JSONResponse:
             body = {"success": False, "message": message, "num_paused_requests": 0}

@@ -53,6 +53,44 @@ def request_models(settings: JudgeSettings) -> tuple[type[BaseModel], type[BaseM
     return GradeRequest, ContributionRequest
 
 
+class AnswerGrade(BaseModel):
+    correct: bool | None
+    extracted_final_answer: str | None
+    reasoning: str | None
+    confidence: float | None
+    parse_error: bool
+    grader_version: str
+    method: str
+    cached: bool
+
+
+class ContributionGrade(BaseModel):
+    score: float | None
+    label: str | None
+    reasoning: str | None
+    parse_error: bool
+    grader_version: str
+    method: str
+    cached: bool
+
+
+class AnswerGrades(BaseModel):
+    items: list[AnswerGrade]
+
+
+class ContributionGrades(BaseModel):
+    items: list[ContributionGrade]
+
+
+class Unavailable(BaseModel):
+    error: str
+
+
+def _responses(ok: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    unavailable = {"description": "the grader LLM cannot be reached (Retry-After)", "model": Unavailable}
+    return {200: {"model": ok}, 503: unavailable}
+
+
 def answer_body(v: AnswerVerdict) -> dict[str, Any]:
     return {
         "correct": v.correct,
@@ -127,28 +165,28 @@ def build_http(judge: Judge, registry: Any) -> FastAPI:
         v = await judge.grade_contribution(r.question, r.task, r.report, r.final_answer, r.gold_answer)
         return contribution_body(v)
 
-    @app.post("/v1/grade")
+    @app.post("/v1/grade", responses=_responses(AnswerGrade))
     async def grade(body: GradeRequest) -> Any:  # type: ignore[valid-type]
         try:
             return await one_answer(body)
         except GraderUnavailable as exc:
             return _unavailable(exc)
 
-    @app.post("/v1/grade/batch")
+    @app.post("/v1/grade/batch", responses=_responses(AnswerGrades))
     async def grade_batch(body: GradeBatch) -> Any:
         try:
             return {"items": await asyncio.gather(*(one_answer(r) for r in body.items))}
         except GraderUnavailable as exc:
             return _unavailable(exc)
 
-    @app.post("/v1/grade/contribution")
+    @app.post("/v1/grade/contribution", responses=_responses(ContributionGrade))
     async def contribution(body: ContributionRequest) -> Any:  # type: ignore[valid-type]
         try:
             return await one_contribution(body)
         except GraderUnavailable as exc:
             return _unavailable(exc)
 
-    @app.post("/v1/grade/contribution/batch")
+    @app.post("/v1/grade/contribution/batch", responses=_responses(ContributionGrades))
     async def contribution_batch(body: ContributionBatch) -> Any:
         try:
             return {"items": await asyncio.gather(*(one_contribution(r) for r in body.items))}

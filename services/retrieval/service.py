@@ -30,6 +30,7 @@ from core.kit.http import create_app
 from core.kit.metrics import new_registry
 from core.v1 import retrieval_pb2, retrieval_pb2_grpc
 from services.retrieval.core import (
+    MODES,
     Hit,
     InvalidRequest,
     NotFound,
@@ -52,22 +53,79 @@ _MODES = {
 # --- HTTP ----------------------------------------------------------------------------------------
 
 
+# The limits below are documented (`json_schema_extra`), not enforced by validation: the core
+# checks them against its settings (max_k <= 1000, max_query_chars) and answers 400 with its own
+# message, on HTTP and gRPC alike.
+def _limits(**schema: Any) -> dict[str, Any]:
+    return {"json_schema_extra": schema}
+
+
 class SearchBody(BaseModel):
-    query: str
-    k: int = 10
+    query: str = Field(description="a non-blank query of at most max_query_chars", **_limits(minLength=1))
+    k: int = Field(10, description="at most max_k", **_limits(minimum=1, maximum=1000))
 
 
 class OpenBody(BaseModel):
-    docid: str | int | None = None
+    docid: str | int | None = Field(None, description="a docid or a url: one of the two")
     url: str | None = None
 
 
-class SearchV1Body(BaseModel):
-    query: str
-    k: int = 10
-    mode: str = "hybrid"
-    window: int | None = None
-    snippet_words: int | None = Field(None, description="words of text per hit; 0 = full text")
+class SearchV1Body(SearchBody):
+    mode: str = Field("hybrid", **_limits(enum=list(MODES)))
+    window: int | None = Field(
+        None, description="candidates per retriever", **_limits(minimum=1, maximum=1000)
+    )
+    snippet_words: int | None = Field(
+        None, description="words of text per hit; 0 = full text", **_limits(minimum=0)
+    )
+
+
+class Detail(BaseModel):
+    detail: str
+
+
+class FoldAgentHit(BaseModel):
+    docid: str
+    url: str
+    text: str
+    score: float
+
+
+class FoldAgentHits(BaseModel):
+    results: list[FoldAgentHit]
+
+
+class Rank(BaseModel):
+    rank: int
+    score: float
+
+
+class HitV1(FoldAgentHit):
+    title: str
+    ranks: dict[str, Rank]
+
+
+class SearchV1Response(BaseModel):
+    results: list[HitV1]
+    degraded: bool
+    failed_backends: list[str]
+    timings: dict[str, float]
+
+
+class Page(BaseModel):
+    docid: str
+    url: str
+    text: str
+
+
+class Pages(BaseModel):
+    results: list[Page]
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "a request the core refuses (empty query, k out of range, ...)", "model": Detail},
+    503: {"description": "no retriever (or the doc store) can answer right now", "model": Detail},
+}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -96,7 +154,7 @@ def build_http_app(core: SearchCore, settings: RetrievalSettings, registry: Coll
         except Unavailable as e:
             return _error(503, str(e))
 
-    @app.post("/search")
+    @app.post("/search", responses={200: {"model": FoldAgentHits}, **_ERRORS})
     async def search(body: SearchBody) -> Any:
         result = await run_search(SearchQuery(body.query, body.k))
         if isinstance(result, JSONResponse):
@@ -107,7 +165,7 @@ def build_http_app(core: SearchCore, settings: RetrievalSettings, registry: Coll
             ]
         }
 
-    @app.post("/v1/search")
+    @app.post("/v1/search", responses={200: {"model": SearchV1Response}, **_ERRORS})
     async def search_v1(body: SearchV1Body) -> Any:
         result = await run_search(SearchQuery(body.query, body.k, body.mode, body.window, body.snippet_words))
         if isinstance(result, JSONResponse):
@@ -119,7 +177,10 @@ def build_http_app(core: SearchCore, settings: RetrievalSettings, registry: Coll
             "timings": result.timings,
         }
 
-    @app.post("/open")
+    @app.post(
+        "/open",
+        responses={200: {"model": Pages}, 404: {"description": "no such page", "model": Detail}, **_ERRORS},
+    )
     async def open_page(body: OpenBody) -> Any:
         try:
             doc = await core.open(None if body.docid is None else str(body.docid), body.url, "http")

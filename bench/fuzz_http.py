@@ -1,0 +1,126 @@
+"""The long version of tests/test_http_fuzz.py: schemathesis against every service's HTTP API.
+
+    python bench/fuzz_http.py [--cases 10000] [--episodes 40] [--services judge,engine] [--seed N]
+                              [--kit DIR] [--results FILE]
+
+Starts the same seven `bcstack serve` processes as the test (tests/http_fuzz.py: the six
+services, a second engine serving the worker; BCSTACK_ADMIN_TOKEN set) on a toy kit (built in a
+temporary folder unless --kit names one holding world/, tiny/ and idx/), fuzzes each service with
+about --cases generated cases (the gateway's POST /v1/episodes, which runs a whole episode per
+accepted case, gets --episodes per run), and prints and writes (bench/results/fuzz_http.md) the
+cases sent per operation and phase, the status codes seen, and every distinct problem found:
+a 5xx other than a documented 503, an answer that does not conform to the schema, an admin
+operation that succeeded without the token. Exits 1 when there is a problem.
+
+Without --seed every run draws new cases (the test uses a fixed seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Table, print_machine, write_results  # noqa: E402
+from http_fuzz import SERVICES, fuzz_service, fuzz_stack  # noqa: E402
+
+
+def build_kit(root: Path) -> None:
+    """The tests' toy kit (tests/conftest.py `toy_kit`): 500 documents, the tiny model, the index."""
+    from devkit.modelkit.build import build_tiny_kit
+    from devkit.toyworld.generator import generate_world, write_world
+
+    world = generate_world(500, 5, questions_per_tier=8, train_medium=0, train_hard=0)
+    write_world(world, root / "world")
+    build_tiny_kit(root / "tiny")
+    subprocess.run(
+        [sys.executable, "-m", "bcstack", "index", "--corpus", str(root / "world" / "corpus.jsonl"),
+         "--index-dir", str(root / "idx")],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=10_000, help="generated cases per service (about)")
+    parser.add_argument("--episodes", type=int, default=40, help="cases per run of POST /v1/episodes")
+    parser.add_argument("--services", default=",".join(SERVICES), help="comma-separated subset")
+    parser.add_argument("--seed", type=int, default=None, help="fixed Hypothesis seed (default: new draws)")
+    parser.add_argument("--kit", type=Path, default=None, help="an existing toy kit (world/, tiny/, idx/)")
+    parser.add_argument("--results", type=Path, default=None, help="report file (default bench/results/)")
+    args = parser.parse_args()
+    services = [s for s in args.services.split(",") if s]
+    unknown = set(services) - set(SERVICES)
+    if unknown:
+        parser.error(f"unknown service(s) {sorted(unknown)}; choose from {', '.join(SERVICES)}")
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+
+    print("fuzz_http: schemathesis against every service's HTTP API")
+    print_machine()
+    print(f"  cases     ~{args.cases} per service, seed {seed}")
+    with tempfile.TemporaryDirectory(prefix="fuzz-http-") as tmp:
+        kit = args.kit
+        if kit is None:
+            kit = Path(tmp) / "kit"
+            started = time.perf_counter()
+            build_kit(kit)
+            print(f"  toy kit built in {time.perf_counter() - started:.0f} s")
+        reports = []
+        with fuzz_stack(kit, Path(tmp) / "work", timeout=600) as stack:
+            for service in services:
+                slow = {"POST /v1/episodes": args.episodes} if service == "coordinator" else None
+                report = fuzz_service(
+                    service, stack.urls[service], cases=args.cases, examples_for=slow, seed=seed
+                )
+                reports.append(report)
+                print(f"\n{service}: {report.total} cases in {report.seconds:.1f} s, "
+                      f"{len(report.unique_failures())} distinct problem(s)")  # fmt: skip
+                for (operation, phase), n in sorted(report.cases.items()):
+                    print(f"  {operation:40s} {phase:16s} {n:6d}")
+                for problem in report.unique_failures():
+                    print(f"  PROBLEM {problem}")
+
+    cases_rows, status_rows, problem_rows = [], [], []
+    for r in reports:
+        for (operation, phase), n in sorted(r.cases.items()):
+            cases_rows.append([r.service, operation, phase, n])
+        per_op: dict[str, Counter] = {}
+        for (operation, status), n in r.statuses.items():
+            per_op.setdefault(operation, Counter())[status] = n
+        for operation, statuses in sorted(per_op.items()):
+            status_rows.append(
+                [r.service, operation, ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items()))]
+            )
+        for p in r.unique_failures():
+            problem_rows.append([r.service, p.operation, p.check, p.message.strip().split("\n")[0][:200]])
+    summary = [[r.service, len(r.operations), r.total, len(r.failures), round(r.seconds, 1)] for r in reports]
+    path = write_results(
+        "fuzz_http",
+        [
+            Table("Per service", ["service", "operations", "cases", "problems", "seconds"], summary),
+            Table("Cases per operation and phase", ["service", "operation", "phase", "cases"], cases_rows),
+            Table("Status codes seen", ["service", "operation", "status: count"], status_rows),
+            Table(
+                "Distinct problems",
+                ["service", "operation", "check", "first line"],
+                problem_rows,
+                notes=["None: every case passed every check."] if not problem_rows else [],
+            ),
+        ],  # fmt: skip
+        extra={"seed": str(seed), "cases asked per service": str(args.cases)},
+        path=args.results,
+    )
+    print(f"\nreport: {path}")
+    return 1 if problem_rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

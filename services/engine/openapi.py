@@ -1,0 +1,145 @@
+"""The engine's HTTP API as OpenAPI documents it: request and response shapes per route.
+
+The routes parse their bodies themselves (`protocol.py`), so that a refusal has SGLang's status
+and wording; these models only describe what they accept and answer, in the limits the parser
+enforces, so that `/openapi.json` (and a fuzzer reading it) tells the truth.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.kit.http import json_body
+
+
+class SamplingParamsBody(BaseModel):
+    """The sampling parameters the CPU engine implements (SGLang's names and defaults)."""
+
+    max_new_tokens: int | None = Field(128, ge=0)
+    min_new_tokens: int | None = Field(0, ge=0)
+    temperature: float | None = Field(1.0, ge=0)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(-1, ge=-1, description="-1 = the whole vocabulary; 0 is refused")
+    min_p: float | None = Field(0.0, ge=0, le=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    sampling_seed: int | None = None
+
+
+class GenerateBody(BaseModel):
+    """One prompt: `text` or `input_ids` (exactly one)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str | None = None
+    input_ids: list[int] | None = Field(None, description="token ids, each >= 0 and below the vocab size")
+    sampling_params: SamplingParamsBody | None = None
+    return_logprob: bool | None = False
+    logprob_start_len: int | None = Field(-1, ge=-1)
+    return_text_in_logprobs: bool | None = False
+    stream: bool | None = Field(False, description="server-sent events, then `data: [DONE]`")
+    rid: str | None = None
+    log_metrics: bool | None = True
+
+
+class AbortBody(BaseModel):
+    rid: str | None = None
+    abort_all: bool | None = False
+
+
+class PauseBody(BaseModel):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateWeightsBody(BaseModel):
+    model_path: str = Field(min_length=1, description="the folder holding the new weights")
+    weight_version: str | None = None
+    load_format: str | None = None
+    abort_all_requests: bool | None = False
+    flush_cache: bool | None = True
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+
+class ErrorMessage(BaseModel):
+    message: str
+
+
+class EngineError(BaseModel):
+    """SGLang's error body (`http_server._create_error_response`)."""
+
+    error: ErrorMessage
+
+
+class UpdateWeightsResult(BaseModel):
+    success: bool
+    message: str
+    num_paused_requests: int
+
+
+class StatusMessage(BaseModel):
+    message: str
+    status: str
+
+
+class HealthGenerate(BaseModel):
+    status: Literal["ok", "unhealthy"]
+    message: str
+
+
+class WeightVersion(BaseModel):
+    weight_version: str | None
+
+
+def _error(description: str, model: type[BaseModel] = EngineError) -> dict[str, Any]:
+    return {"description": description, "model": model}
+
+
+UNAVAILABLE = _error("the engine cannot take work now: still loading, failed, or its queue is full")
+REFUSED = _error("a request the engine refuses, with SGLang's message")
+TEXT = {"content": {"text/plain": {"schema": {"type": "string"}}}}
+
+GENERATE = {
+    "openapi_extra": json_body(GenerateBody),
+    "responses": {
+        200: {
+            "description": "the generation; with stream true, SSE chunks of the same object",
+            "model": GenerateResponse,
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        400: REFUSED,
+        503: UNAVAILABLE,
+    },
+}
+ABORT = {
+    "openapi_extra": json_body(AbortBody, required=False),
+    "responses": {200: {"description": "done (empty body)", **TEXT}, 400: REFUSED, 503: UNAVAILABLE},
+}
+FLUSH = {"responses": {200: {"description": "SGLang's answer text", **TEXT}, 503: UNAVAILABLE}}
+PAUSE = {
+    "openapi_extra": json_body(PauseBody, required=False),
+    "responses": {200: {"model": StatusMessage}, 400: REFUSED, 503: UNAVAILABLE},
+}
+CONTINUE = {"responses": {200: {"model": StatusMessage}, 503: UNAVAILABLE}}
+UPDATE_WEIGHTS = {
+    "openapi_extra": json_body(UpdateWeightsBody),
+    "responses": {
+        200: {"model": UpdateWeightsResult},
+        400: _error("refused: nothing was loaded, the old weights keep serving", UpdateWeightsResult),
+        503: _error("the engine cannot take work now", UpdateWeightsResult),
+    },
+}
+HEALTH_GENERATE = {
+    "response_model": HealthGenerate,
+    "responses": {503: {"description": "no token came back in time", "model": HealthGenerate}},
+}
+WEIGHT_VERSION = {"response_model": WeightVersion}
