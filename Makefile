@@ -2,6 +2,8 @@
 PYTHON ?= python3
 STAMP  := .make/install.stamp
 PYTEST_ARGS ?=
+# Two pytest-xdist workers, a whole module each, slowest modules first (tests/conftest.py); 0 = one process
+PYTEST_WORKERS ?= 2
 
 .PHONY: help install demo speedrun test lint proto dashboards clean
 
@@ -22,7 +24,7 @@ speedrun: install  ## the CPU learning proof: untrained -> SFT -> RL on held-out
 	$(PYTHON) -m bcstack.speedrun
 
 test: install  ## the whole test suite
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: install  ## ruff, and the layer contracts (import-linter, pyproject.toml)
 	$(PYTHON) -m ruff check .

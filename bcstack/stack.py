@@ -382,8 +382,15 @@ def plan(
     worker_flags = setting_flags("worker", worker_settings)
     engine_flags = setting_flags("engine", engine_settings)
     taken: set[int] = set()
+    # BCSTACK_UP_PORTS=any: ports the OS picks even where the chart's defaults are free, for several
+    # stacks started at once on one machine (the suite under pytest-xdist): two `up`s that both find
+    # 8001 free would race to bind it.
+    defaults = os.environ.get("BCSTACK_UP_PORTS", "default") != "any"
     ports = {
-        name: (_pick_port(h, taken), _pick_port(g, taken) if g else None)
+        name: (
+            _pick_port(h if defaults else None, taken),
+            _pick_port(g if defaults else None, taken) if g else None,
+        )
         for name, (h, g) in DEFAULT_PORTS.items()
     }
     tiny = assets["tiny"]

@@ -1,11 +1,16 @@
 """Shared test helpers, kept generic: free loopback ports and bounded waiting.
 
-Fixtures: `free_port` (an unused loopback TCP port). Plain helpers, importable as
+Fixtures: `free_port` (an unused loopback TCP port), `toy_kit` (one toy world, tiny model and index
+for the whole session, shared by pytest-xdist's workers). Plain helpers, importable as
 `from conftest import find_free_port, wait_for_port, wait_until`.
+
+`make test` runs the suite on two pytest-xdist workers, a module at a time each (`--dist loadfile`),
+the slowest modules first (`SLOWEST_FIRST`) so that no long module starts last and runs alone.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -15,6 +20,32 @@ import pytest
 
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
+
+# Modules by their time alone in the last measured full run, longest first (the rest keep pytest's
+# order after them). Under `--dist loadfile --no-loadscope-reorder` each worker takes the next module
+# in this order when it is free: longest-first keeps the two workers' finishing times close.
+SLOWEST_FIRST = (
+    "test_specialists_live.py",
+    "test_rl_loop.py",
+    "test_trainer_distributed.py",
+    "test_speedrun.py",
+    "test_alerts_live.py",
+    "test_extras.py",
+    "test_eval_stack.py",
+    "test_canary_live.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    # sort is stable: within a module, and among the unranked modules, pytest's order stays
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Several workers' stacks start at once: the chart's default ports would race (bcstack.stack).
+        os.environ["BCSTACK_UP_PORTS"] = "any"
 
 
 def find_free_port(host: str = LOOPBACK) -> int:
@@ -75,19 +106,30 @@ def toy_kit(tmp_path_factory):
     import subprocess
     import sys
 
+    from filelock import FileLock
+
     from devkit.modelkit.build import build_tiny_kit
     from devkit.toyworld.generator import generate_world, write_world
 
-    root = tmp_path_factory.mktemp("toy-kit")
     world = generate_world(500, 5, questions_per_tier=8, train_medium=0, train_hard=0)
-    write_world(world, root / "world")
-    build_tiny_kit(root / "tiny")
-    index = subprocess.run(
-        [sys.executable, "-m", "bcstack", "index", "--corpus", str(root / "world" / "corpus.jsonl"),
-         "--index-dir", str(root / "idx")],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert index.returncode == 0, index.stderr
+    # Under pytest-xdist every worker has its own basetemp below one shared folder: the first worker
+    # to get here builds the kit there, the others wait on the lock and use it.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    root = shared / "toy-kit"
+    with FileLock(str(shared / "toy-kit.lock")):
+        if not (root / "COMPLETE").exists():
+            root.mkdir(exist_ok=True)
+            write_world(world, root / "world")
+            build_tiny_kit(root / "tiny")
+            index = subprocess.run(
+                [sys.executable, "-m", "bcstack", "index", "--corpus", str(root / "world" / "corpus.jsonl"),
+                 "--index-dir", str(root / "idx")],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            assert index.returncode == 0, index.stderr
+            (root / "COMPLETE").touch()
     return {"dir": root, "world": world}
 
 

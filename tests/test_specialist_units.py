@@ -15,9 +15,9 @@ from trainer.specialist import (
     PromptSampler,
     SpecialistConfig,
     SpecialistError,
-    _lr_at,
     centred_advantages,
     select_examples,
+    warmup_lr,
 )
 
 
@@ -60,7 +60,9 @@ def test_prompt_order_is_a_seeded_shuffle_epoch_after_epoch_and_resumable():
 def test_warm_up_is_linear_over_ten_updates_then_constant(tmp_path):
     cfg = SpecialistConfig(base=tmp_path, prompts=tmp_path, out=tmp_path, engine_url="http://x")
     assert cfg.lr == 1e-5 and cfg.warmup_updates == 10 and cfg.clip_eps == 0.2  # seed 004
-    assert [_lr_at(u, cfg) for u in (1, 5, 10, 11)] == pytest.approx([1e-6, 5e-6, 1e-5, 1e-5])
+    assert [warmup_lr(u, cfg.lr, cfg.warmup_updates) for u in (1, 5, 10, 11)] == pytest.approx(
+        [1e-6, 5e-6, 1e-5, 1e-5]
+    )
     with pytest.raises(SpecialistError, match="not a model folder"):
         cfg.validate()
     with pytest.raises(SpecialistError, match="at least 2"):

@@ -65,6 +65,7 @@ from trainer.specialist import (
     pass_rate,
     prune_rollout_weights,
     reload_engine,
+    warmup_lr,
 )
 
 MAX_GRAD_NORM = 1.0
@@ -360,7 +361,7 @@ async def _train(
                     if resp.output_ids:
                         examples.append((resp, adv))
             for g in optimizer.param_groups:
-                g["lr"] = cfg.lr * min(1.0, update / cfg.warmup_updates) if cfg.warmup_updates else cfg.lr
+                g["lr"] = warmup_lr(update, cfg.lr, cfg.warmup_updates)
             optimizer.zero_grad(set_to_none=True)
             stats = distill_step(peft_model.get_base_model(), examples, cfg.micro_batch_tokens)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM))

@@ -227,11 +227,12 @@ def policy_loss_step(
     return sums
 
 
-def _lr_at(update: int, cfg: SpecialistConfig) -> float:
-    """Linear warm-up over `warmup_updates` updates (update counts from 1), then constant."""
-    if cfg.warmup_updates <= 0:
-        return cfg.lr
-    return cfg.lr * min(1.0, update / cfg.warmup_updates)
+def warmup_lr(update: int, lr: float, warmup_updates: int) -> float:
+    """Linear warm-up over `warmup_updates` updates (update counts from 1), then constant `lr`
+    (seed 004's 10-update warm-up; RL and distillation alike)."""
+    if warmup_updates <= 0:
+        return lr
+    return lr * min(1.0, update / warmup_updates)
 
 
 class PromptSampler:
@@ -326,7 +327,7 @@ async def _train(cfg: SpecialistConfig, say: Callable[[str], None]) -> dict[str,
     peft_model = attach_lora(model, cfg.lora)
     peft_model.train()
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(trainable, lr=_lr_at(1, cfg))
+    optimizer = torch.optim.Adam(trainable, lr=warmup_lr(1, cfg.lr, cfg.warmup_updates))
     sampler = PromptSampler(len(rows), cfg.seed)
     update = 0
     settings = SamplingSettings(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_response_tokens)
@@ -380,7 +381,7 @@ async def _train(cfg: SpecialistConfig, say: Callable[[str], None]) -> dict[str,
                         f"{sorted(map(str, version))}"
                     )
             for g in optimizer.param_groups:
-                g["lr"] = _lr_at(update, cfg)
+                g["lr"] = warmup_lr(update, cfg.lr, cfg.warmup_updates)
             stats = {"loss": 0.0, "ppo_clip_fraction": 0.0, "tis_clip_fraction": 0.0}
             grad_norm = 0.0
             if kept:
@@ -415,7 +416,7 @@ async def _train(cfg: SpecialistConfig, say: Callable[[str], None]) -> dict[str,
             lengths = [len(r.output_ids) for g in groups for r in g]
             line: dict[str, Any] = {
                 "update": update,
-                "lr": _lr_at(update, cfg),
+                "lr": warmup_lr(update, cfg.lr, cfg.warmup_updates),
                 "reward_mean": statistics.fmean(flat),
                 "pass_at_1_train": statistics.fmean(flat),
                 "sampled_responses": counts.sampled,

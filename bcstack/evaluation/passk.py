@@ -27,6 +27,7 @@ which a CPU engine is started on a free port for the duration.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import json
 import math
@@ -35,6 +36,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from core.engine_client import EngineClient, EngineError
@@ -279,17 +281,16 @@ def run_passk(
         tick = progress(model.name, total, 0) if progress else (lambda _n: None)
         if model.is_engine:
             codec_dir = None
-            url = model.target
-            asyncio.run(_check_engine(url))
-            engine_cm: Any = _Null(url)
+            asyncio.run(_check_engine(model.target))
+            engine_cm: Any = contextlib.nullcontext(SimpleNamespace(url=model.target))
         else:
             codec_dir = model.target
             engine_cm = LocalEngine(model.target)
-        try:
-            engine = engine_cm.__enter__()
-        except LocalEngineError as e:
-            raise PasskError(str(e)) from None
-        try:
+        with contextlib.ExitStack() as stack:
+            try:
+                engine = stack.enter_context(engine_cm)
+            except LocalEngineError as e:
+                raise PasskError(str(e)) from None
             codec = TextCodec(codec_dir) if codec_dir else asyncio.run(_codec_from_engine(engine.url))
             try:
                 asyncio.run(
@@ -309,22 +310,9 @@ def run_passk(
                 )
             except EngineError as e:
                 raise PasskError(f"model {model.name}: {e}") from None
-        finally:
-            engine_cm.__exit__(None, None, None)
     results = summarise(done, models, loaded, samples, baseline)
     write_outputs(out, results)
     return results
-
-
-class _Null:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def __enter__(self) -> _Null:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 async def _check_engine(url: str) -> None:
