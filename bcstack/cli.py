@@ -207,6 +207,34 @@ def down(
     typer.echo(f"stack down: {n} service(s) stopped")
 
 
+@app.command("restart")
+def restart(
+    name: str = typer.Argument(
+        ...,
+        metavar="SERVICE",
+        help="A service of the stack, as stack.json names it: retrieval, engine, worker, coordinator-llm, "
+        "coordinator, judge (replicas: engine-2, worker-2, ...).",
+    ),
+    state: Path = typer.Option(Path(".bcstack"), "--state", help="The state folder `bcstack up` used."),
+    timeout: float = typer.Option(300.0, "--timeout", min=1, help="Seconds to wait for it to be healthy."),
+) -> None:
+    """Start one service of a `bcstack up` stack again, on the same ports with the same command line.
+
+    A service that crashed or was killed is started; one still running is stopped first (SIGTERM,
+    then SIGKILL after 20 s). Its new pid goes to STATE/stack.json, its output on in
+    STATE/logs/SERVICE.log. The other services keep running: their clients reconnect.
+    """
+    from bcstack.stack import StackError
+    from bcstack.stack import restart as stack_restart
+    from core.kit.cli import fail
+
+    try:
+        stack_restart(state, name, timeout=timeout)
+    except StackError as e:
+        fail(str(e))
+    typer.echo(f"restarted {name}")
+
+
 @app.command("smoke")
 def smoke(
     gateway: str = typer.Option(

@@ -10,9 +10,11 @@ starts, each its own process group with its log in `logs/`: retrieval, the engin
 expert, the untrained tiny model, or a checkpoint folder), the worker, the scripted coordinator
 LLM, the coordinator gateway and the judge (rule). `worker_settings=` / `engine_settings=`
 (setting name -> value) reach those two as their `bcstack serve` options, checked against their
-settings classes before anything starts. `stack.json` (DESIGN.md §8) records every service's URLs
-and pid, the assets and the settings given; `admin-token` (mode 0600) holds the admin token the
-services share. A second `up` while a stack runs refuses.
+settings classes before anything starts. `stack.json` (DESIGN.md §8) records every service's URLs,
+pid and command line, the assets and the settings given; `admin-token` (mode 0600) holds the admin
+token the services share. A second `up` while a stack runs refuses. `restart(state, name)` starts
+one service again on its ports (stopping it first when it still runs): what an operator does after
+a crash, and what the kill-during-evaluation test does to each service in turn.
 """
 
 from __future__ import annotations
@@ -445,6 +447,8 @@ def plan(
             "--coordinator-url", f"{llm.http}/v1",
             "--workers", ",".join(w.grpc or "" for w in pairs[1::2]),
             "--records", str(records or state / "records.sqlite"),
+            # the episode viewer (/ui) decodes worker token ids with the workers' own tokenizer
+            *(["--tokenizer", str(tokenizer)] if (Path(tokenizer) / "tokenizer.json").is_file() else []),
         ],
     )  # fmt: skip
     judge = svc("judge", ["--cache", str(state / "judge-cache.sqlite")])
@@ -593,7 +597,10 @@ def _write_state(state: Path, services: list[Service], described: dict[str, Any]
         **described,
         "state": str(state),
         "admin_token_file": str(state / TOKEN_FILE),
-        "services": {s.name: {"http": s.http, "grpc": s.grpc, "pid": s.pid} for s in services},
+        # "args": the `bcstack` command line of each, so `restart` starts it again exactly as it was.
+        "services": {
+            s.name: {"http": s.http, "grpc": s.grpc, "pid": s.pid, "args": s.args} for s in services
+        },
     }
     tmp = state / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n")
@@ -644,3 +651,70 @@ def down(state: Path, *, say: Callable[[str], None] = print) -> int:
         say(f"  stopped {name} (pid {alive[name]})" + (" with SIGKILL" if alive[name] in killed else ""))
     (state / STATE_FILE).unlink(missing_ok=True)
     return len(alive)
+
+
+def restart(
+    state: Path, name: str, *, timeout: float = 300.0, say: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Start service `name` of the stack in `state` again, with the command line and ports it had.
+
+    A running one is stopped first (SIGTERM, then SIGKILL after the grace); a dead one (crashed,
+    killed) is just started. Waits until it is healthy, records its new pid in stack.json and
+    returns stack.json's content. Its log goes on in STATE/logs/NAME.log. StackError, one line,
+    for no stack, an unknown name, or a service that exits or stays unhealthy.
+    """
+    state = state.resolve()
+    info = read_state(state)
+    if info is None:
+        raise StackError(f"no stack was started from {state} (no {STATE_FILE}); start one with `bcstack up`")
+    services = info.get("services", {})
+    if name not in services:
+        known = ", ".join(sorted(services, key=_start_rank))
+        raise StackError(f"no service {name!r} in {state / STATE_FILE}; its services: {known}")
+    entry = services[name]
+    args = entry.get("args")
+    if not args:
+        raise StackError(
+            f"{state / STATE_FILE} has no command line for {name} (written by an older bcstack); "
+            f"run `bcstack down --state {state}` and `bcstack up` again"
+        )
+    pid = entry.get("pid")
+    if pid and _alive(pid):
+        say(f"  stopping {name} (pid {pid})")
+        _stop([pid])
+    token_path = state / TOKEN_FILE
+    env = {"BCSTACK_ADMIN_TOKEN": token_path.read_text().strip()} if token_path.is_file() else {}
+    log_path = state / "logs" / f"{name}.log"
+    log_path.parent.mkdir(exist_ok=True)
+    with log_path.open("a") as log:
+        log.write(f"\n--- bcstack restart {name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+        log.flush()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bcstack", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,  # its own process group, as `up` starts them: `down` stops it
+        )
+    _update_pid(state, name, proc.pid)
+    deadline = time.monotonic() + timeout
+    while not _healthy(entry["http"]):
+        if proc.poll() is not None:
+            raise StackError(
+                f"{name} exited with {proc.returncode} after the restart; the end of its log "
+                f"({log_path}):\n" + _tail(log_path)
+            )
+        if time.monotonic() > deadline:
+            raise StackError(f"{name} was not healthy within {timeout:.0f} s of the restart; see {log_path}")
+        time.sleep(0.1)
+    say(f"  {name:16s} {entry['http']} (pid {proc.pid})")
+    return read_state(state) or {}
+
+
+def _update_pid(state: Path, name: str, pid: int) -> None:
+    """stack.json with service `name`'s pid replaced, written atomically."""
+    info = read_state(state) or {}
+    info["services"][name]["pid"] = pid
+    tmp = state / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, state / STATE_FILE)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,12 @@ class EngineUnavailable(EngineError):
     """No usable answer: connection refused or dropped, a timeout, or 5xx after every retry."""
 
 
+class EngineUnreachable(EngineUnavailable):
+    """The engine is not there or not ready: the connection was refused or dropped, or it answered
+    503 (a crashed, restarting or still-loading server; SGLang answers 503 while it loads), as
+    opposed to one that answered another 5xx or timed out. Waited out for `unreachable_wait_s`."""
+
+
 @dataclass(frozen=True)
 class GenerateResult:
     output_ids: list[int]
@@ -148,11 +154,18 @@ class EngineClient:
         api_key: str | None = None,
         admin_token: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        unreachable_wait_s: float = 0.0,
     ) -> None:
-        """`retries` counts attempts in all (1 = no retry), as the worker's `engine_retries` does."""
+        """`retries` counts attempts in all (1 = no retry), as the worker's `engine_retries` does.
+
+        `unreachable_wait_s`: an engine that cannot be reached or is not ready (connection refused or
+        dropped, 503: it crashed, is restarting or loading) is retried, at the backoff, until this long
+        after the first attempt even when `retries` are used up; other 5xx answers and timeouts get
+        `retries` only."""
         self.base_url = base_url.rstrip("/")
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.attempts = max(1, retries)
+        self.unreachable_wait_s = max(0.0, unreachable_wait_s)
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
@@ -198,7 +211,9 @@ class EngineClient:
                 None, f"{self.base_url}{ROUTES[route]}: timed out ({type(e).__name__})"
             ) from e
         except httpx.TransportError as e:
-            raise EngineUnavailable(None, f"{self.base_url}{ROUTES[route]}: {type(e).__name__}: {e}") from e
+            raise EngineUnreachable(None, f"{self.base_url}{ROUTES[route]}: {type(e).__name__}: {e}") from e
+        if response.status_code == 503:
+            raise EngineUnreachable(response.status_code, _message_of(response))
         if response.status_code >= 500:
             raise EngineUnavailable(response.status_code, _message_of(response))
         return response
@@ -215,9 +230,19 @@ class EngineClient:
     ) -> httpx.Response:
         """One call with retries on connection failures and 5xx; EngineError on other statuses."""
         response: httpx.Response | None = None
+        attempts = self.attempts if retry else 1
+
+        def stop(state: RetryCallState) -> bool:
+            if state.attempt_number < attempts:
+                return False
+            unreachable = state.outcome is not None and isinstance(
+                state.outcome.exception(), EngineUnreachable
+            )
+            return not (retry and unreachable and state.seconds_since_start < self.unreachable_wait_s)
+
         async for attempt in AsyncRetrying(
             retry=retry_if_exception(_retryable),
-            stop=stop_after_attempt(self.attempts if retry else 1),
+            stop=stop,
             wait=wait_random_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
             before_sleep=lambda state: log.warning(
                 "engine %s%s failed (%s); retrying", self.base_url, ROUTES[route], state.outcome.exception()

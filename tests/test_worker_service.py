@@ -254,7 +254,7 @@ def test_retrieval_down_is_an_error_stop(stack, tmp_path):
     ports = stack["ports"]
     w_http, w_grpc = find_free_port(), find_free_port()
     config = tmp_path / "worker.yaml"
-    config.write_text("retrieval_timeout_seconds: 1\nretrieval_retries: 2\n")
+    config.write_text("retrieval_timeout_seconds: 1\nretrieval_retries: 2\nretrieval_wait_seconds: 0\n")
     nowhere = f"127.0.0.1:{find_free_port()}"
     with _worker(
         stack["tmp"] / "tiny", f"http://127.0.0.1:{ports['e_http']}", nowhere, w_http, w_grpc, config

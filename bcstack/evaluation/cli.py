@@ -59,11 +59,19 @@ def run(
         None, "--worker-max-tokens", min=1, help="Worker episode token budget."
     ),
     worker_max_turns: int = typer.Option(None, "--worker-max-turns", min=1, help="Worker turns per episode."),
+    service_wait: float = typer.Option(
+        120.0,
+        "--service-wait",
+        min=0,
+        help="Seconds to wait for a gateway or judge that cannot be reached (crashed, restarting) "
+        "before the run stops (resumable).",
+    ),
 ) -> None:
     """Run every question through the gateway, grade it with the judge, write run files and judgements.
 
     Killed and run again with the same --out, it resumes: finished (question, round) pairs are not
-    redone. Budget-exhausted and failed episodes are recorded and count as incorrect.
+    redone. Budget-exhausted and failed episodes are recorded and count as incorrect. A gateway or
+    judge that crashes and comes back within --service-wait is waited for; one still away stops the run.
     """
     from bcstack.evaluation.loaders import LoaderError, load_questions
     from bcstack.evaluation.runner import EvalRunError
@@ -91,6 +99,7 @@ def run(
             rounds=rounds,
             overrides=overrides,
             budget=budget,
+            service_wait=service_wait,
         )
     except EvalRunError as e:
         fail(f"{e} (finished questions are saved; run the same command again to resume)")
@@ -108,6 +117,7 @@ def run_with_progress(
     overrides: dict | None = None,
     budget: dict | None = None,
     label: str = "eval",
+    service_wait: float | None = None,
 ) -> dict[str, int]:
     """Run (or resume) an evaluation with a progress bar showing the accuracy so far; the tally.
 
@@ -117,8 +127,9 @@ def run_with_progress(
 
     from bcstack.evaluation.runner import EvalRunner
 
+    waits = {} if service_wait is None else {"service_wait": service_wait}
     runner = EvalRunner(
-        out, gateway, judge, concurrency=concurrency, overrides=overrides, worker_budget=budget
+        out, gateway, judge, concurrency=concurrency, overrides=overrides, worker_budget=budget, **waits
     )
     run_id, tasks = runner.prepare(items, rounds)
     total = len(items) * rounds

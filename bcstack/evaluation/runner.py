@@ -10,7 +10,17 @@ Resume: a (question, round) with a judgement line is done and is never redone. O
 again with the same episode id, so an episode that finished on the gateway before the runner was
 killed comes back from the gateway's records instead of being run twice. Episodes that end on a
 budget, a limit or an error are written and graded like any other: the denominator is always
-questions × rounds. The judgement's `confidence` is null when the episode stated none (it never
+questions × rounds.
+
+Outages: a gateway or judge that cannot be reached (crashed, restarting) is waited for, up to
+`service_wait` seconds per outage; the episode is then asked for again under the same id (the
+gateway answers a recorded one from its records and runs an unrecorded one, lost with the crashed
+gateway, afresh), and the grade is asked for again. A service still away after that stops the run
+with an EvalRunError, never a made-up verdict: what is recorded stays, and the same command resumes.
+Outages below the gateway (worker, engine, retrieval) are waited out there (the gateway's
+`worker_unavailable_wait_seconds`, the worker's `engine_wait_seconds` / `retrieval_wait_seconds`);
+an episode one of them outlasted ends as it did, and its run file and judgement carry the failure
+in `error`, naming the service. The judgement's `confidence` is null when the episode stated none (it never
 called finish), so that the report leaves it out of the calibration error.
 """
 
@@ -37,7 +47,8 @@ from core.records import EpisodeGrades, EpisodeRecord
 
 JUDGEMENTS = "judgements.jsonl"
 META = "eval.json"
-GRADE_ATTEMPTS = 5
+GRADE_ATTEMPTS = 5  # for a judge that answers 429/503 (busy); one that is away gets `service_wait`
+SERVICE_WAIT_SECONDS = 120.0
 ID_SAFE = re.compile(r"[^A-Za-z0-9._:-]+")
 
 
@@ -66,12 +77,27 @@ def run_file(record: EpisodeRecord, query_id: str) -> dict[str, Any]:
         "query_id": query_id,
         "tool_call_counts": dict(counts),
         "status": record.status,
+        "error": failure_of(record),
         "retrieved_docids": retrieved,
         "result": [{"type": "output_text", "output": output}],
         "episode_id": record.episode_id,
         "endpoint": record.endpoint,
         "weight_versions": record.weight_versions,
     }
+
+
+def failure_of(record: EpisodeRecord) -> str:
+    """What failed in an episode, in one line that names the service ("" when nothing did): the
+    episode's own error (the coordinator LLM, a limit) and each failed branch's (the worker, or the
+    engine or retrieval service behind it). An episode a kill disrupted beyond the services' waits
+    says so here even when the coordinator went on to finish."""
+    parts = [record.error] if record.error else []
+    for w in record.workers:
+        if w.status == "error" and w.error:
+            # No trajectory: the worker service itself never answered (the gateway's pool says why).
+            where = "" if w.trajectory is not None else "worker service: "
+            parts.append(f"branch {w.branch}: {where}{w.error}")
+    return "; ".join(dict.fromkeys(parts))[:1000]
 
 
 def judgement_confidence(response: str, grade: dict[str, Any]) -> float | None:
@@ -139,8 +165,10 @@ class EvalRunner:
         episode_timeout: float = 3600.0,
         overrides: dict[str, Any] | None = None,
         worker_budget: dict[str, Any] | None = None,
+        service_wait: float = SERVICE_WAIT_SECONDS,
     ) -> None:
         self.out = out
+        self.service_wait = service_wait
         self.gateway = gateway.rstrip("/")
         self.judge = judge.rstrip("/")
         self.concurrency = concurrency
@@ -242,6 +270,7 @@ class EvalRunner:
             "correct": grade.get("correct"),
             "confidence": judgement_confidence(response, grade),
             "status": record.status,
+            "error": failure_of(record),
             "episode_id": record.episode_id or episode_id,
             "grader_version": grade.get("grader_version"),
             "grading_error": grade.get("error"),
@@ -257,29 +286,46 @@ class EvalRunner:
     async def _episode(self, client: httpx.AsyncClient, body: dict[str, Any]) -> EpisodeRecord:
         """The episode's full record; a gateway that is full (429) or briefly away is waited for."""
         try:
-            return await run_episode(client, self.gateway, body, full_attempts=30, unreachable_attempts=6)
+            return await run_episode(
+                client, self.gateway, body, full_attempts=30, unreachable_wait_s=self.service_wait
+            )
         except GatewayError as exc:
             raise EvalRunError(str(exc)) from None
 
     async def _grade(
         self, client: httpx.AsyncClient, question: str, response: str, gold: str
     ) -> dict[str, Any]:
-        """The judge's verdict; after GRADE_ATTEMPTS failures an ungraded verdict (counted as incorrect)."""
+        """The judge's verdict; an ungraded one (counted as incorrect) when the judge answers an error,
+        or stays busy (429/503) for GRADE_ATTEMPTS tries. EvalRunError when it is unreachable for
+        longer than `service_wait`: a verdict it never gave is not recorded."""
         last = ""
-        for attempt in range(GRADE_ATTEMPTS):
+        busy = away = 0
+        loop = asyncio.get_running_loop()
+        away_since: float | None = None
+        while True:
             try:
                 r = await client.post(
                     f"{self.judge}/v1/grade",
                     json={"question": question, "response": response, "correct_answer": gold},
                 )
-                if r.status_code == 200:
-                    return r.json()
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-                if r.status_code not in (429, 503):
-                    break
             except httpx.TransportError as e:
                 last = str(e) or type(e).__name__
-            await asyncio.sleep(min(2**attempt, 10))
+                away_since = loop.time() if away_since is None else away_since
+                if loop.time() - away_since >= self.service_wait:
+                    raise EvalRunError(
+                        f"the judge {self.judge} was unreachable for {loop.time() - away_since:.0f} s: {last}"
+                    ) from None
+                away += 1
+                await asyncio.sleep(min(0.25 * 2**away, 5))
+                continue
+            away, away_since = 0, None
+            if r.status_code == 200:
+                return r.json()
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+            busy += 1
+            if r.status_code not in (429, 503) or busy >= GRADE_ATTEMPTS:
+                break
+            await asyncio.sleep(min(2**busy, 10))
         return {"correct": None, "confidence": None, "error": f"the judge could not grade: {last}"}
 
 

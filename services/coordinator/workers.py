@@ -14,7 +14,10 @@ least recently failed one is retried after a short backoff, up to `attempts` in 
 that answers RESOURCE_EXHAUSTED is full, not broken: while every replica is full the branch waits
 for one to admit it (polling at the backoff, at most once a second) for up to `full_wait_seconds`,
 and those refusals do not use up its attempts, so a burst of branches larger than the fleet admits
-(an RL loop keeping G·(L+1) groups in flight) queues here instead of failing. Every attempt
+(an RL loop keeping G·(L+1) groups in flight) queues here instead of failing. In the same way,
+while every replica is down (UNAVAILABLE: crashed or restarting) the branch waits for one to come
+back for up to `unavailable_wait_seconds` without using up its attempts, so a worker restart
+delays branches instead of failing them. Every attempt
 carries the same episode_id, so the worker records of one branch share one id. A request error
 (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) fails the branch at once: another replica would refuse
 it too. A replica that answered UNAVAILABLE is "down" for `cooldown_seconds` and is only chosen
@@ -111,10 +114,12 @@ class WorkerPool:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         cooldown_seconds: float = 5.0,
         full_wait_seconds: float = 0.0,
+        unavailable_wait_seconds: float = 0.0,
     ) -> None:
         """`on_attempt(address, outcome)` is called after every attempt with "ok" or the gRPC status
         name in lower case ("unavailable", "resource_exhausted", ...), e.g. to count it in metrics.
-        `full_wait_seconds`: how long a branch waits for a full fleet (0: a refusal is an attempt)."""
+        `full_wait_seconds`: how long a branch waits for a full fleet (0: a refusal is an attempt);
+        `unavailable_wait_seconds`: how long it waits while every replica is down (0: each is an attempt)."""
         if not addresses:
             raise ValueError("workers: give at least one worker gRPC address")
         repeated = sorted({a for a in addresses if addresses.count(a) > 1})
@@ -128,11 +133,14 @@ class WorkerPool:
             raise ValueError(f"cooldown_seconds must be >= 0, got {cooldown_seconds}")
         if full_wait_seconds < 0:
             raise ValueError(f"full_wait_seconds must be >= 0, got {full_wait_seconds}")
+        if unavailable_wait_seconds < 0:
+            raise ValueError(f"unavailable_wait_seconds must be >= 0, got {unavailable_wait_seconds}")
         self._replicas = [_Replica(address) for address in addresses]
         self.attempts = attempts
         self.timeout_seconds = timeout_seconds
         self.cooldown_seconds = cooldown_seconds
         self.full_wait_seconds = full_wait_seconds
+        self.unavailable_wait_seconds = unavailable_wait_seconds
         self._on_attempt = on_attempt
         self._max_message_bytes = max_message_bytes
         self._next = 0  # round-robin start among replicas tied on in-flight count
@@ -193,6 +201,7 @@ class WorkerPool:
         failures = 0  # attempts used up: refusals while waiting for a full fleet are not counted
         calls = 0
         full_since: float | None = None
+        down_since: float | None = None  # when the fleet was first seen all down, for this branch
         while failures < self.attempts:
             replica, again = self._pick(tried)
             if again:
@@ -222,6 +231,12 @@ class WorkerPool:
                     full_since = replica.last_failed_at if full_since is None else full_since
                     if replica.last_failed_at - full_since < self.full_wait_seconds:
                         continue  # full: wait for room (the backoff above paces the polls)
+                if code == grpc.StatusCode.UNAVAILABLE and self.unavailable_wait_seconds > 0:
+                    now = replica.last_failed_at
+                    if all(r.is_down(now) for r in self._replicas):
+                        down_since = now if down_since is None else down_since
+                        if now - down_since < self.unavailable_wait_seconds:
+                            continue  # every replica is down: wait for one to come back
                 failures += 1
                 log.info(
                     "branch %s attempt %d/%d failed: %s",
@@ -249,6 +264,10 @@ class WorkerPool:
             return BranchOutcome(response, replica.address, calls, "")
         waited = (
             "" if full_since is None else f" (waited {time.monotonic() - full_since:.0f} s for a full fleet)"
+        ) + (
+            ""
+            if down_since is None
+            else f" (waited {time.monotonic() - down_since:.0f} s for a worker to come back)"
         )
         return BranchOutcome(
             None, None, calls, f"all {self.attempts} attempts failed{waited}; last: {last_error}"

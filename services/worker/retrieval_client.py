@@ -1,15 +1,17 @@
 """The worker's client for the retrieval service (gRPC, bcstack.v1.RetrievalService).
 
 Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, a dropped connection) are retried with
-exponential backoff and jitter (tenacity); a document that does not exist is an empty result,
-not an error; anything else, or retries running out, raises :class:`RetrievalFailed`, which the
-episode runner records as an ``error`` stop.
+exponential backoff and jitter (tenacity); a service that is not there at all (UNAVAILABLE: it
+crashed or is restarting) is retried until `unavailable_wait_s` after the first attempt, even when
+the attempts are used up, so a restart does not end the episode; a document that does not exist
+is an empty result, not an error; anything else, or retries running out, raises
+:class:`RetrievalFailed`, which the episode runner records as an ``error`` stop.
 """
 
 from __future__ import annotations
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 from core.kit.grpc_server import aio_channel
 from core.protocol import Page
@@ -36,9 +38,16 @@ def _retryable(exc: BaseException) -> bool:
 
 class RetrievalClient:
     def __init__(
-        self, address: str, *, timeout_s: float = 10.0, attempts: int = 3, backoff_s: float = 0.2
+        self,
+        address: str,
+        *,
+        timeout_s: float = 10.0,
+        attempts: int = 3,
+        backoff_s: float = 0.2,
+        unavailable_wait_s: float = 0.0,
     ) -> None:
         self.address = address
+        self.unavailable_wait_s = max(0.0, unavailable_wait_s)
         self.timeout_s = timeout_s
         self.attempts = attempts
         self.backoff_s = backoff_s
@@ -53,11 +62,18 @@ class RetrievalClient:
             self._stub = retrieval_pb2_grpc.RetrievalServiceStub(self._channel)
         return self._stub
 
+    def _stop(self, state: RetryCallState) -> bool:
+        if state.attempt_number < self.attempts:
+            return False
+        exc = state.outcome.exception() if state.outcome is not None else None
+        down = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+        return not (down and state.seconds_since_start < self.unavailable_wait_s)
+
     async def _call(self, method_name: str, request):
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(_retryable),
-                stop=stop_after_attempt(self.attempts),
+                stop=self._stop,
                 wait=wait_random_exponential(multiplier=self.backoff_s, max=2.0),
                 reraise=True,
             ):

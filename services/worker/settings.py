@@ -38,8 +38,21 @@ class WorkerSettings(ServiceSettings):
     )
     engine_timeout_seconds: float = Field(600.0, gt=0, description="one /generate call at most")
     engine_retries: int = Field(3, ge=1, description="attempts per /generate on connection errors and 5xx")
+    engine_wait_seconds: float = Field(
+        120.0,
+        ge=0,
+        description="how long a /generate call keeps retrying an engine it cannot reach at all (crashed, "
+        "restarting) before the episode ends with an error stop; 0: engine_retries only",
+    )
     retrieval_timeout_seconds: float = Field(10.0, gt=0, description="one retrieval call at most")
     retrieval_retries: int = Field(3, ge=1, description="attempts per retrieval call on UNAVAILABLE/timeouts")
+    retrieval_wait_seconds: float = Field(
+        120.0,
+        ge=0,
+        description="how long a search or open_page keeps retrying a retrieval service that is "
+        "UNAVAILABLE (crashed, restarting) before the episode ends with an error stop; "
+        "0: retrieval_retries only",
+    )
 
     search_k: int = Field(
         50, ge=1, le=100, description="results asked of retrieval per search (FoldAgent: 50)"
