@@ -298,6 +298,10 @@ def test_a_token_in_the_query_becomes_an_http_only_cookie(tmp_path: Path) -> Non
 def test_with_no_token_configured_the_viewer_is_open_and_a_missing_id_is_a_404_page(tmp_path: Path) -> None:
     client = _client(tmp_path, _varied())
     assert client.get("/ui").status_code == 200
+    odd = client.get(
+        "/ui", params={"per_page": "²", "page": "-1", "since": "9999-99-99", "graded": "x" * 300}
+    )
+    assert odd.status_code == 200 and odd.text.count('class="error filter-error"') == 3
     missing = client.get("/ui/episodes/no-such-episode")
     assert missing.status_code == 404 and missing.headers["content-type"].startswith("text/html")
     assert "no-such-episode" in missing.text

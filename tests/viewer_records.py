@@ -112,10 +112,27 @@ def training_texts() -> list[str]:
 
 
 def build_tokenizer(out: Path) -> Path:
-    """A small byte-level BPE tokenizer with Qwen3's special tokens (the dev kit's), in `out`."""
-    from devkit.modelkit.tokenizer import save_tokenizer, train_tokenizer
+    """`out/tokenizer.json`: a small byte-level BPE with Qwen3's added tokens (the dev kit's list).
 
-    save_tokenizer(train_tokenizer(training_texts() * 2, bpe_vocab_size=600), out)
+    Built with `tokenizers` alone: the viewer reads nothing else, and the dev kit's full build
+    (`train_tokenizer`, through transformers) costs seconds more of the browser test's start."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+
+    from devkit.modelkit.tokenizer import CONTROL_TOKENS, SPECIAL_TOKENS
+
+    tokenizer = Tokenizer(BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=600, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(training_texts() * 2, trainer=trainer)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in CONTROL_TOKENS])
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
     return out
 
 

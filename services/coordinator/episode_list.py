@@ -70,7 +70,7 @@ def _day(value: str, name: str, errors: list[str]) -> float | None:
 def _positive(value: str | None, default: int, name: str, errors: list[str], most: int) -> int:
     if not value:
         return default
-    if not value.isdigit() or not 1 <= int(value) <= most:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= most:  # int('²') raises
         errors.append(f"{name}: {value!r} is not a whole number from 1 to {most:,}")
         return default
     return int(value)
