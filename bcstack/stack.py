@@ -447,6 +447,8 @@ def plan(
             "--coordinator-url", f"{llm.http}/v1",
             "--workers", ",".join(w.grpc or "" for w in pairs[1::2]),
             "--records", str(records or state / "records.sqlite"),
+            # the episode viewer (/ui) decodes worker token ids with the workers' own tokenizer
+            *(["--tokenizer", str(tokenizer)] if (Path(tokenizer) / "tokenizer.json").is_file() else []),
         ],
     )  # fmt: skip
     judge = svc("judge", ["--cache", str(state / "judge-cache.sqlite")])
