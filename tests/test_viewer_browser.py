@@ -96,7 +96,7 @@ def _seed(root: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[tuple[str, object]]:
+def served(tmp_path_factory) -> Iterator[tuple[str, object, Path]]:
     """A gateway process on the seeded records, and a headless Chromium that has been given the viewer
     token once (the link a colleague is sent; a cookie from then on). Both start at once."""
     if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
@@ -119,7 +119,7 @@ def served(tmp_path_factory) -> Iterator[tuple[str, object]]:
         stack.enter_context(bcstack_process(args, f"http://127.0.0.1:{port}/health", env=env))
         gateway, driver = f"http://127.0.0.1:{port}", starting.result()
         driver.get(f"{gateway}/ui?token={TOKEN}")
-        yield gateway, driver
+        yield gateway, driver, tokenizer_dir
 
 
 @pytest.fixture
@@ -278,3 +278,26 @@ def test_a_missing_episode_is_a_404_page(gateway: str, browser) -> None:
         f"{gateway}/ui/episodes/no-such-episode", headers={"Authorization": f"Bearer {TOKEN}"}
     )
     assert missing.status_code == 404 and missing.headers["content-type"].startswith("text/html")
+
+
+def test_the_terminal_shows_the_same_episode_from_a_stacks_state(served, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from bcstack.cli import app
+
+    gateway, _, tokenizer_dir = served
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "stack.json").write_text(
+        json.dumps({"assets": {"tiny": str(tokenizer_dir)}, "services": {"coordinator": {"http": gateway}}})
+    )
+    shown = CliRunner().invoke(
+        app, ["episodes", "show", KNOWN, "--state", str(state)], env={"COLUMNS": "200"}
+    )
+    assert shown.exit_code == 0, shown.output
+    assert all(turn.thinking in shown.output for turn in WORKER_TURNS) and "judge: correct" in shown.output
+    missing = CliRunner().invoke(app, ["episodes", "show", "no-such-episode", "--gateway", gateway])
+    assert missing.exit_code == 1
+    assert missing.output.strip() == f"error: no recorded episode 'no-such-episode' at {gateway}"

@@ -98,7 +98,7 @@ def add_viewer(app: FastAPI, core: GatewayCore, decoder: viewer.TokenDecoder | N
                 COOKIE,
                 _cookie_value(match),
                 max_age=COOKIE_MAX_AGE_SECONDS,
-                path="/ui",
+                path=request.scope.get("root_path", "") + "/ui",
                 httponly=True,
                 samesite="strict",
                 secure=request.url.scheme == "https",

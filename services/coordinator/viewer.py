@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -279,7 +279,7 @@ class EpisodeView:
     branches: Bar
     worker_tokens: int
     decoder_note: str | None  # why worker text is missing or suspect; None: decoded as recorded
-    decoded: bool = field(default=False)
+    decoded: bool = False
 
     @property
     def all_branches(self) -> list[BranchView]:
