@@ -46,6 +46,18 @@ _templates = jinja2.Environment(
 )
 
 
+def _page(description: str) -> dict[str, Any]:
+    return {"description": f"{description} (an HTML page)", "content": {"text/html": {}}}
+
+
+# Documented, so a client (or the OpenAPI fuzzer, tests/http_fuzz.py) knows what a refusal looks like.
+_ACCESS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    303: {"description": "`?token=` was right: its cookie is set; the same page without the token follows"},
+    401: _page("a token is configured and none was sent (a form asks for it)"),
+    403: _page("the token sent is neither the viewer's nor the admin token"),
+}
+
+
 def _cookie_value(token: SecretStr) -> str:
     return hmac.new(token.get_secret_value().encode("utf-8"), _COOKIE_CONTEXT, hashlib.sha256).hexdigest()
 
@@ -118,7 +130,12 @@ def add_viewer(app: FastAPI, core: GatewayCore, decoder: viewer.TokenDecoder | N
         page.headers["WWW-Authenticate"] = "Bearer"
         return page
 
-    @app.get("/ui", response_class=HTMLResponse, summary="Episode viewer: the list of recorded episodes")
+    @app.get(
+        "/ui",
+        response_class=HTMLResponse,
+        summary="Episode viewer: the list of recorded episodes",
+        responses=_ACCESS_RESPONSES,
+    )
     async def ui_list(request: Request) -> Response:
         if (refusal := refused(request)) is not None:
             return refusal
@@ -131,10 +148,18 @@ def add_viewer(app: FastAPI, core: GatewayCore, decoder: viewer.TokenDecoder | N
         return HTMLResponse(await asyncio.to_thread(page))
 
     @app.get(
-        "/ui/episodes/{episode_id}",
+        # :path so that an id with a slash still reaches this route and its 404 page
+        "/ui/episodes/{episode_id:path}",
         response_class=HTMLResponse,
         summary="Episode viewer: one recorded episode",
-        responses={404: {"description": "no recorded episode with that id (an HTML page)"}},
+        responses={
+            **_ACCESS_RESPONSES,
+            # The router's own JSON 404 answers an id no route pattern takes (one with a newline).
+            404: {
+                "description": "no recorded episode with that id (an HTML page)",
+                "content": {"text/html": {}, "application/json": {}},
+            },
+        },
     )
     async def ui_episode(request: Request, episode_id: str) -> Response:
         if (refusal := refused(request)) is not None:
