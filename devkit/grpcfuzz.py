@@ -25,6 +25,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 
 import core.v1
@@ -417,3 +418,51 @@ def world_hints(world: Path, n: int = 4) -> dict[str, list[str]]:
         "gold_answer": answers,
         "final_answer": answers,
     }
+
+
+def known_good(service: str, channel: grpc.Channel, question: Mapping[str, str], timeout: float = 60) -> None:
+    """Send `service` a request a user would send (about a toy-world `question`) and check that it
+    is answered as usual: the service still does its job. AssertionError otherwise."""
+    from core.v1 import (
+        coordinator_pb2,
+        coordinator_pb2_grpc,
+        judge_pb2,
+        judge_pb2_grpc,
+        retrieval_pb2,
+        retrieval_pb2_grpc,
+        worker_pb2,
+        worker_pb2_grpc,
+    )
+    from devkit.toyworld.policies import WORKER_TASK_TEMPLATE
+
+    health = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=10
+    )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING, f"{service} is not SERVING"
+    asked, answer = question["query"], question["answer"]
+    if service == "bcstack.v1.RetrievalService":
+        found = retrieval_pb2_grpc.RetrievalServiceStub(channel).Search(
+            retrieval_pb2.SearchRequest(query=asked, k=3), timeout=timeout
+        )
+        assert len(found.hits) == 3, found
+    elif service == "bcstack.v1.JudgeService":
+        verdict = judge_pb2_grpc.JudgeServiceStub(channel).GradeAnswer(
+            judge_pb2.GradeAnswerRequest(
+                question=asked, response=f"Exact Answer: {answer}", correct_answer=answer
+            ),
+            timeout=timeout,
+        )
+        assert verdict.correct, verdict
+    elif service == "bcstack.v1.WorkerService":
+        task = worker_pb2.BranchTask(description="answer", prompt=WORKER_TASK_TEMPLATE.format(question=asked))
+        done = worker_pb2_grpc.WorkerServiceStub(channel).RunEpisode(
+            worker_pb2.RunWorkerEpisodeRequest(branch=task), timeout=timeout
+        )
+        assert done.report.answer == answer, done.report
+    elif service == "bcstack.v1.CoordinatorService":
+        done = coordinator_pb2_grpc.CoordinatorServiceStub(channel).RunEpisode(
+            coordinator_pb2.RunCoordinatorEpisodeRequest(question=asked), timeout=timeout
+        )
+        assert (done.status, done.answer) == ("finish", answer), done
+    else:
+        raise AssertionError(f"no known-good request for {service}: add one to devkit.grpcfuzz.known_good")

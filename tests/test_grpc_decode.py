@@ -1,7 +1,12 @@
-"""Regression (found by tests/test_grpc_fuzz.py): request bytes that do not parse as the RPC's
-request message are INVALID_ARGUMENT with the parser's reason, counted as such in the metrics,
-for unary and server-streaming RPCs alike; grpc.aio on its own answered UNKNOWN
-("Unexpected DecodeError"), the code of a servicer bug."""
+"""Regressions found by tests/test_grpc_fuzz.py, fixed at the gRPC edge every service shares
+(core.kit.grpc_server.RequestEdgeInterceptor), for unary and server-streaming RPCs alike:
+
+- request bytes that do not parse as the RPC's request message are INVALID_ARGUMENT with the
+  parser's reason, counted as such in the metrics (grpc.aio on its own answered UNKNOWN,
+  "Unexpected DecodeError", the code of a servicer bug);
+- an error message that quotes a huge request field reaches the client, cut, with its code (the
+  client refused the 1.8 MB status trailer and reported RESOURCE_EXHAUSTED instead).
+"""
 
 from __future__ import annotations
 
@@ -20,12 +25,18 @@ CORRUPT = b"\x08"  # field 1 as a varint, and the varint is missing
 
 class Judge(judge_pb2_grpc.JudgeServiceServicer):
     async def GradeAnswer(self, request, context):  # noqa: N802 - gRPC method name
+        if request.question:  # an error message quoting the request, as servicers write them
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad question {request.question!r}")
         return judge_pb2.GradeAnswerResponse(correct=True, grader_version="ok")
 
 
 class Worker(worker_pb2_grpc.WorkerServiceServicer):
     async def RunEpisodes(self, request, context):  # noqa: N802
         for episode in request.episodes:
+            if episode.question_id:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"bad question_id {episode.question_id!r}"
+                )
             yield worker_pb2.RunWorkerEpisodeResponse(episode_id=episode.episode_id)
 
 
@@ -78,5 +89,38 @@ def test_undecodable_requests_are_invalid_argument_and_the_server_keeps_serving(
         metrics = generate_latest(server.registry).decode()
         assert 'method="/bcstack.v1.JudgeService/GradeAnswer",service="decode-test"' in metrics
         assert 'code="INVALID_ARGUMENT"' in metrics and 'code="UNKNOWN"' not in metrics
+
+    asyncio.run(scenario())
+
+
+def test_an_error_quoting_a_huge_field_reaches_the_client_cut() -> None:
+    huge = "é" * 300_000
+
+    async def scenario() -> None:
+        server = GrpcServer("details-test", load_settings(ServiceSettings, grpc_port=0))
+        server.add(judge_pb2_grpc.add_JudgeServiceServicer_to_server, Judge())
+        server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, Worker())
+        await server.start()
+        try:
+            async with aio_channel(server.target) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await judge_pb2_grpc.JudgeServiceStub(channel).GradeAnswer(
+                        judge_pb2.GradeAnswerRequest(question=huge), timeout=10
+                    )
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                details = err.value.details()
+                assert details.startswith("bad question 'éé") and "characters cut" in details
+                assert len(details) < 1100
+
+                batch = worker_pb2.RunWorkerEpisodesRequest(
+                    episodes=[worker_pb2.RunWorkerEpisodeRequest(episode_id="a", question_id=huge)]
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in worker_pb2_grpc.WorkerServiceStub(channel).RunEpisodes(batch, timeout=10):
+                        pass
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "characters cut" in err.value.details()
+        finally:
+            await server.stop(grace=1)
 
     asyncio.run(scenario())

@@ -112,13 +112,47 @@ class _Undecodable:
         self.reason = reason
 
 
-class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
-    """A request whose bytes do not parse as the RPC's request message is INVALID_ARGUMENT with the
-    parser's reason. Left alone, grpc.aio answers UNKNOWN ("Unexpected DecodeError"), the code of
-    a servicer bug, and the call never reaches the interceptors that count it.
+# Status details travel as a percent-encoded trailer; a client refuses trailers over 16 KiB and
+# then reports RESOURCE_EXHAUSTED ("metadata size exceeds hard limit") instead of the real error.
+# 1,000 characters (at most ~12 KiB encoded) keep any message readable and receivable.
+MAX_STATUS_DETAILS_CHARS = 1000
 
-    The deserializer cannot abort the call itself, so it passes a marker to the behaviour, which
-    aborts before the servicer runs."""
+
+def cut_details(details: str, limit: int = MAX_STATUS_DETAILS_CHARS) -> str:
+    """`details` shortened to `limit` characters, saying how much was cut."""
+    if len(details) <= limit:
+        return details
+    return f"{details[:limit]}... ({len(details) - limit} more characters cut)"
+
+
+class _CutDetails:
+    """The servicer's context, with the details of `abort` and `set_details` cut (the details
+    an abort recorded cannot be changed afterwards)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        await self._context.abort(code, cut_details(details), trailing_metadata)
+
+    def set_details(self, details: str) -> None:
+        self._context.set_details(cut_details(details))
+
+
+class RequestEdgeInterceptor(grpc.aio.ServerInterceptor):
+    """What every servicer would otherwise get wrong on its own, at the edge of every RPC kind:
+
+    - a request whose bytes do not parse as the RPC's request message is INVALID_ARGUMENT with
+      the parser's reason (left alone, grpc.aio answers UNKNOWN, "Unexpected DecodeError", the code
+      of a servicer bug, and the call never reaches the interceptors that count it); the
+      deserializer cannot abort, so it hands a marker to the behaviour, which aborts before the
+      servicer runs;
+    - the servicer's status details are cut to MAX_STATUS_DETAILS_CHARS, so a message that quotes
+      a huge request field still reaches the client with its code.
+    """
 
     async def intercept_service(
         self,
@@ -157,7 +191,7 @@ class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
                     await refuse(request, context)
                 else:
                     request = checked(request, context)
-                result = behavior(request, context)
+                result = behavior(request, _CutDetails(context))
                 return await result if inspect.isawaitable(result) else result
 
             make = (
@@ -173,7 +207,7 @@ class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
                 await refuse(request, context)
             else:
                 request = checked(request, context)
-            result = behavior(request, context)
+            result = behavior(request, _CutDetails(context))
             if hasattr(result, "__aiter__"):  # an async generator servicer
                 async for response in result:
                     yield response
@@ -216,7 +250,7 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         self._interceptors = [
             GrpcMetricsInterceptor(service_name, self.registry),
-            UndecodableRequestInterceptor(),
+            RequestEdgeInterceptor(),
             *interceptors,
         ]
         self._options = [*message_size_options(settings.grpc_max_message_bytes), *options]
