@@ -60,13 +60,16 @@ class LoopOverrides(BaseModel):
     wall_time_seconds: float | None = Field(None, gt=0, le=7 * 24 * 3600)
 
 
+INT32_MAX = 2**31 - 1  # the proto's BudgetOverrides fields are int32: a larger value cannot be sent
+
+
 class WorkerBudget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = Field(None, gt=0)
-    max_turns: int | None = Field(None, gt=0)
-    max_new_tokens: int | None = Field(None, gt=0)
-    context_length: int | None = Field(None, gt=0)
+    max_tokens: int | None = Field(None, gt=0, le=INT32_MAX)
+    max_turns: int | None = Field(None, gt=0, le=INT32_MAX)
+    max_new_tokens: int | None = Field(None, gt=0, le=INT32_MAX)
+    context_length: int | None = Field(None, gt=0, le=INT32_MAX)
 
 
 class EpisodeRequest(BaseModel):

@@ -33,6 +33,7 @@ from core.kit.metrics import new_registry
 from core.record_store import RecordStore, RecordStoreError
 from core.records import STOP_REASONS, EpisodeRecord
 from core.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.coordinator import openapi as doc
 from services.coordinator.gateway import (
     EndpointChange,
     EpisodeRequest,
@@ -103,7 +104,7 @@ def build_http(
             return _error(409, str(exc))
         return _error(422, str(exc))
 
-    @app.post("/v1/episodes")
+    @app.post("/v1/episodes", responses=doc.POST_EPISODE)
     async def post_episode(body: EpisodeRequest, stream: bool = Query(False)) -> Any:
         if body.episode_id is not None:
             old = await core.stored(body.episode_id)
@@ -145,14 +146,14 @@ def build_http(
             events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
-    @app.get("/v1/episodes/{episode_id}")
+    @app.get("/v1/episodes/{episode_id}", responses=doc.GET_EPISODE)
     async def get_episode(episode_id: str) -> Any:
         record = await core.stored(episode_id)
         if record is None:
             return _error(404, f"no recorded episode {episode_id!r}")
         return record.dump()
 
-    @app.get("/v1/episodes")
+    @app.get("/v1/episodes", responses={200: {"model": doc.EpisodeList}})
     async def list_episodes(
         limit: int = Query(100, ge=1, le=10_000), question_id: str | None = Query(None, max_length=256)
     ) -> Any:
@@ -165,7 +166,7 @@ def build_http(
     async def get_coordinator() -> Any:
         return {**core.registry.view(), "workers": core.pool.view()}
 
-    @app.put("/admin/coordinator", dependencies=admin)
+    @app.put("/admin/coordinator", dependencies=admin, responses=doc.PUT_COORDINATOR)
     async def put_coordinator(change: EndpointChange) -> Any:
         if change.endpoint is None and change.activate is None:
             return _error(422, "give an endpoint to add or change, a name to activate, or both")

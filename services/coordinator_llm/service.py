@@ -111,7 +111,12 @@ CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "a chat.completion; with stream true, chat.completion.chunk events then [DONE]",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+                }
+            },
         },
     },
     400: _openai_error("not a JSON object, or an unsupported option (n > 1, logprobs)"),
@@ -121,6 +126,14 @@ CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
     500: _openai_error("injected fault (fail_mode http500), or the policy failed"),
     **KEYED_RESPONSES,
 }
+
+
+def _chat_body(model: str) -> dict[str, Any]:
+    """The chat completion body as documented: `model` is the one model served (another is 404)."""
+    extra = json_body(proto.ChatCompletionRequest)
+    schema = extra["requestBody"]["content"]["application/json"]["schema"]
+    schema["properties"]["model"]["enum"] = [model]
+    return extra
 
 
 def _error_response(error: proto.RequestError) -> JSONResponse:
@@ -201,7 +214,7 @@ def build_app(
     @app.post(
         "/v1/chat/completions",
         dependencies=keyed,
-        openapi_extra=json_body(proto.ChatCompletionRequest),
+        openapi_extra=_chat_body(model),
         responses=CHAT_RESPONSES,
     )
     async def chat_completions(request: Request) -> Any:
@@ -296,16 +309,16 @@ def build_app(
         now = injection["faults"]
         return {"fail_rate": now.rate, "fail_mode": now.mode, "fault_seed": now.seed}
 
-    @app.get("/admin/faults", dependencies=admin, response_model=FaultState)
+    @app.get("/admin/faults", dependencies=admin, responses={200: {"model": FaultState}})
     async def get_faults() -> dict[str, Any]:
         return fault_state()
 
     @app.put(
         "/admin/faults",
         dependencies=admin,
-        response_model=FaultState,
         responses={
-            422: {"description": "an invalid setting", "model": RootModel[ValidationErrorBody | KitDetail]}
+            200: {"model": FaultState},
+            422: {"description": "an invalid setting", "model": RootModel[ValidationErrorBody | KitDetail]},
         },
     )
     async def put_faults(body: FaultSettings) -> dict[str, Any]:
@@ -328,7 +341,14 @@ def build_app(
     @app.get(
         "/v1/models/{model_id:path}",
         dependencies=keyed,
-        responses={404: _openai_error("no such model (model_not_found)"), **KEYED_RESPONSES},
+        responses={
+            404: {
+                # A control character in the path matches no route: Starlette's own 404 answers.
+                "description": "no such model (model_not_found)",
+                "model": RootModel[OpenAIError | KitDetail],
+            },
+            **KEYED_RESPONSES,
+        },
     )
     async def get_model(model_id: str) -> Any:
         if model_id != model:

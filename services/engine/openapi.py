@@ -7,7 +7,7 @@ enforces, so that `/openapi.json` (and a fuzzer reading it) tells the truth.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,10 +34,20 @@ class SamplingParamsBody(BaseModel):
 class GenerateBody(BaseModel):
     """One prompt: `text` or `input_ids` (exactly one)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["text"], "not": {"required": ["input_ids"]}},
+                {"required": ["input_ids"], "not": {"required": ["text"]}},
+            ]
+        },
+    )
 
-    text: str | None = None
-    input_ids: list[int] | None = Field(None, description="token ids, each >= 0 and below the vocab size")
+    text: str = Field(None, description="the prompt")  # type: ignore[assignment] - a default, never null
+    input_ids: list[Annotated[int, Field(ge=0)]] = Field(  # type: ignore[assignment]
+        None, min_length=1, description="token ids, each >= 0 and below the vocab size"
+    )
     sampling_params: SamplingParamsBody | None = None
     return_logprob: bool | None = False
     logprob_start_len: int | None = Field(-1, ge=-1)
@@ -104,6 +114,8 @@ def _error(description: str, model: type[BaseModel] = EngineError) -> dict[str, 
     return {"description": description, "model": model}
 
 
+# One server-sent event as schemathesis reads a stream: its `data` line (JSON text).
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}}
 UNAVAILABLE = _error("the engine cannot take work now: still loading, failed, or its queue is full")
 REFUSED = _error("a request the engine refuses, with SGLang's message")
 TEXT = {"content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -114,7 +126,7 @@ GENERATE = {
         200: {
             "description": "the generation; with stream true, SSE chunks of the same object",
             "model": GenerateResponse,
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {"text/event-stream": {"schema": SSE_EVENT}},
         },
         400: REFUSED,
         503: UNAVAILABLE,
@@ -139,7 +151,9 @@ UPDATE_WEIGHTS = {
     },
 }
 HEALTH_GENERATE = {
-    "response_model": HealthGenerate,
-    "responses": {503: {"description": "no token came back in time", "model": HealthGenerate}},
+    "responses": {
+        200: {"model": HealthGenerate},
+        503: {"description": "no token came back in time", "model": HealthGenerate},
+    }
 }
-WEIGHT_VERSION = {"response_model": WeightVersion}
+WEIGHT_VERSION = {"responses": {200: {"model": WeightVersion}}}

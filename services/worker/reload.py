@@ -78,7 +78,10 @@ def resolve_checkpoint(root: Path, checkpoint: str) -> Path:
         raise ReloadRefused(400, "checkpoint: give a folder inside the checkpoint root")
     real_root = root.resolve()
     candidate = Path(checkpoint)
-    real = (candidate if candidate.is_absolute() else real_root / candidate).resolve()
+    try:
+        real = (candidate if candidate.is_absolute() else real_root / candidate).resolve()
+    except (ValueError, OSError) as e:  # a NUL byte, a lone surrogate, a name the OS refuses
+        raise ReloadRefused(400, f"checkpoint {checkpoint!r} is not a usable path ({e})") from None
     if real == real_root or not real.is_relative_to(real_root):
         raise ReloadRefused(400, f"checkpoint {checkpoint!r} is not inside the checkpoint root {real_root}")
     return real

@@ -21,13 +21,13 @@ from typing import Any
 import grpc
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, RootModel
 
 from core import protocol as p
 from core.budget import BudgetLimits
 from core.kit.auth import require_admin
 from core.kit.grpc_server import GrpcServer
-from core.kit.http import create_app
+from core.kit.http import KitDetail, ValidationErrorBody, create_app
 from core.kit.metrics import new_registry
 from core.records import trajectory_to_proto
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -278,19 +278,73 @@ def watcher_for(settings: WorkerSettings, manager: ReloadManager) -> Any:
     )
 
 
+class ReloadFailed(BaseModel):
+    status: str = Field(description='"failed"')
+    error: str
+
+
+class ReloadDone(BaseModel):
+    status: str = Field(description='"ok"')
+    weight_version: str
+    previous_version: str | None
+    seconds: float
+    paused_seconds: float
+
+
+class ReloadAttemptView(BaseModel):
+    checkpoint: str
+    weight_version: str | None
+    outcome: str
+    error: str | None
+    started_at: float
+    seconds: float
+
+
+class ReloadStatus(BaseModel):
+    weight_version: str | None = Field(description="null: the engine did not answer")
+    checkpoint_root: str | None
+    checkpoint: str | None
+    attempts: list[ReloadAttemptView]
+    grpc_port: int | None
+
+
+def _refused(description: str) -> dict[str, Any]:
+    return {"description": description, "model": ReloadFailed}
+
+
+RELOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": ReloadDone},
+    400: {
+        "description": "no checkpoint folder inside the checkpoint root, an empty weight_version, "
+        "or a body that cannot be parsed",
+        "model": RootModel[ReloadFailed | KitDetail],
+    },
+    403: {
+        "description": "reload disabled (no checkpoint_root), or the admin token is wrong or unset",
+        "model": RootModel[ReloadFailed | KitDetail],
+    },
+    409: _refused("a reload is already running"),
+    422: {
+        "description": "the checkpoint failed verification, or the body is not a reload request",
+        "model": RootModel[ReloadFailed | ValidationErrorBody],
+    },
+    502: _refused("the engine failed during the swap; the old weights keep serving"),
+}
+
+
 def add_reload_routes(app: FastAPI, manager: ReloadManager, grpc_port: int | None = None) -> None:
     """`POST /admin/reload` and `GET /admin/reload` (admin token; see services/worker/reload.py).
     The status also names the worker's gRPC port, where a canary evaluation sends its episodes."""
     admin = [Depends(require_admin)]
 
-    @app.post("/admin/reload", dependencies=admin)
+    @app.post("/admin/reload", dependencies=admin, responses=RELOAD_RESPONSES)
     async def reload(body: ReloadRequest) -> Any:
         try:
             return await manager.reload(body.checkpoint, body.weight_version, body.canary_step)
         except ReloadRefused as e:
             return JSONResponse({"status": "failed", "error": e.error}, status_code=e.status)
 
-    @app.get("/admin/reload", dependencies=admin)
+    @app.get("/admin/reload", dependencies=admin, responses={200: {"model": ReloadStatus}})
     async def reload_status() -> Any:
         return {**await manager.status(), "grpc_port": grpc_port}
 

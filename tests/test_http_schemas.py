@@ -1,0 +1,108 @@
+"""What the HTTP fuzzing (tests/test_http_fuzz.py) found, pinned with plain requests to in-process
+apps: the crashes it found stay fixed, and the OpenAPI documents keep saying what the services do."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from core.kit.metrics import new_registry
+
+
+def _call(app, method: str, path: str, **kwargs) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, **kwargs)
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def engine_app():
+    from services.engine.core import EngineCore
+    from services.engine.metrics import EngineMetrics
+    from services.engine.service import build_http_app
+    from services.engine.settings import EngineSettings
+
+    settings = EngineSettings(admin_token="secret")
+    registry = new_registry()
+    return build_http_app(
+        EngineCore(settings, EngineMetrics(registry)), settings, registry, load_on_startup=False
+    )
+
+
+@pytest.mark.parametrize("body", ["[1]", '"rid"', "3", '{"rid": 5}', '{"abort_all": "yes"}'])
+def test_engine_abort_request_refuses_a_body_of_the_wrong_shape_with_a_400(engine_app, body):
+    # A JSON list or string here was a 500 (the handler called .get on it).
+    response = _call(engine_app, "POST", "/abort_request", content=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"]
+
+
+def test_engine_openapi_names_each_operation_once_and_marks_the_admin_ones(engine_app):
+    doc = _call(engine_app, "GET", "/openapi.json").json()
+    operations = {(m.upper(), p): op for p, ops in doc["paths"].items() for m, op in ops.items()}
+    ids = [op["operationId"] for op in operations.values()]
+    assert len(ids) == len(set(ids))  # PUT /generate and GET /flush_cache shared their POST's id
+    admin = {key for key, op in operations.items() if op.get("security")}
+    assert admin == {
+        ("POST", "/flush_cache"), ("GET", "/flush_cache"), ("POST", "/pause_generation"),
+        ("POST", "/continue_generation"), ("POST", "/update_weights_from_disk"),
+    }  # fmt: skip
+    for key in admin:
+        assert {"401", "403"} <= set(operations[key]["responses"]), key
+    generate = operations[("POST", "/generate")]
+    body = generate["requestBody"]["content"]["application/json"]["schema"]
+    assert {"text", "input_ids", "sampling_params"} <= set(body["properties"])
+    assert {"200", "400", "413", "503"} <= set(generate["responses"])
+    assert "text/event-stream" in generate["responses"]["200"]["content"]
+
+
+def test_engine_admin_operations_refuse_without_the_token(engine_app):
+    for method, path in [("POST", "/pause_generation"), ("GET", "/flush_cache"), ("PUT", "/generate")]:
+        response = _call(engine_app, method, path)
+        if path == "/generate":  # not admin: refused for its empty body, not for auth
+            assert response.status_code == 400
+        else:
+            assert response.status_code == 401
+
+
+@pytest.mark.parametrize("checkpoint", ["ckpt\x00", "\ud932ckpt"])
+def test_worker_reload_refuses_a_checkpoint_path_the_os_cannot_take_with_a_400(tmp_path, checkpoint):
+    # A NUL byte or a lone surrogate in POST /admin/reload's checkpoint was a 500.
+    from services.worker.reload import ReloadRefused, resolve_checkpoint
+
+    with pytest.raises(ReloadRefused) as refused:
+        resolve_checkpoint(tmp_path, checkpoint)
+    assert refused.value.status == 400
+    assert "not a usable path" in refused.value.error
+
+
+def test_coordinator_llm_documents_its_one_model_and_its_errors():
+    from services.coordinator_llm.service import build_app
+    from services.coordinator_llm.settings import CoordinatorLlmSettings
+
+    app = build_app(CoordinatorLlmSettings(model_name="the-model"))
+    doc = _call(app, "GET", "/openapi.json").json()
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    body = chat["requestBody"]["content"]["application/json"]["schema"]
+    assert body["properties"]["model"]["enum"] == ["the-model"]
+    assert {"400", "404", "422"} <= set(chat["responses"])
+    assert doc["paths"]["/admin/faults"]["put"]["security"]
+    assert _call(app, "GET", "/admin/faults").status_code == 403  # no token configured: disabled
+
+
+def test_gateway_refuses_a_worker_budget_the_wire_cannot_carry():
+    # max_tokens above int32 passed validation, then the protobuf message raised: a 500 after the
+    # episode was admitted. It is now a 422 before anything runs.
+    from pydantic import ValidationError
+
+    from services.coordinator.gateway import EpisodeRequest
+
+    with pytest.raises(ValidationError) as refused:
+        EpisodeRequest.model_validate({"question": "q", "worker_budget": {"max_tokens": 2**58}})
+    assert refused.value.errors()[0]["loc"] == ("worker_budget", "max_tokens")
+    EpisodeRequest.model_validate({"question": "q", "worker_budget": {"max_tokens": 2**31 - 1}})
