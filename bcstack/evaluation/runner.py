@@ -18,7 +18,7 @@ gateway answers a recorded one from its records and runs an unrecorded one, lost
 gateway, afresh), and the grade is asked for again. A service still away after that stops the run
 with an EvalRunError, never a made-up verdict: what is recorded stays, and the same command resumes.
 Outages below the gateway (worker, engine, retrieval) are waited out there (the gateway's
-`worker_unavailable_wait_seconds`, the worker's `engine_wait_seconds` / `retrieval_wait_seconds`);
+`worker_wait_seconds`, the worker's `engine_wait_seconds` / `retrieval_wait_seconds`);
 an episode one of them outlasted ends as it did, and its run file and judgement carry the failure
 in `error`, naming the service. The judgement's `confidence` is null when the episode stated none (it never
 called finish), so that the report leaves it out of the calibration error.

@@ -275,7 +275,7 @@ def build(settings: CoordinatorSettings) -> tuple[FastAPI, GrpcServer | None, Ga
         attempts=settings.worker_attempts,
         timeout_seconds=settings.worker_timeout_seconds,
         full_wait_seconds=settings.worker_full_wait_seconds,
-        unavailable_wait_seconds=settings.worker_unavailable_wait_seconds,
+        unavailable_wait_seconds=settings.worker_wait_seconds,
         on_attempt=lambda replica, outcome: metrics.worker_attempts.labels(replica, outcome).inc(),
         max_message_bytes=settings.grpc_max_message_bytes,
     )

@@ -67,7 +67,7 @@ class CoordinatorSettings(ServiceSettings):
         description="how long a branch waits while every worker answers RESOURCE_EXHAUSTED (full) "
         "before it fails; refusals while waiting do not use up worker_attempts (0: they do)",
     )
-    worker_unavailable_wait_seconds: float = Field(
+    worker_wait_seconds: float = Field(
         120.0,
         ge=0,
         description="how long a branch waits while every worker answers UNAVAILABLE (crashed, restarting) "
