@@ -320,6 +320,17 @@ def test_each_api_key_env_comes_from_its_secret(custom: list[dict[str, Any]]) ->
     }
 
 
+def test_the_viewer_token_comes_from_its_secret(defaults: list[dict[str, Any]]) -> None:
+    """The episode viewer's own token (GET /ui) reaches the gateway only by secretKeyRef, when set."""
+    assert "BCSTACK_COORDINATOR_VIEWER_TOKEN" not in env_of(gateway(defaults))
+    manifests = render_chart(coordinator(viewerTokenSecret={"name": "bcstack-viewer", "key": "token"}))
+    validate_manifests(manifests)
+    assert env_of(gateway(manifests))["BCSTACK_COORDINATOR_VIEWER_TOKEN"] == {
+        "secretKeyRef": {"name": "bcstack-viewer", "key": "token"}
+    }
+    assert "bcstack-viewer" not in json.dumps([m["data"] for m in manifests if m["kind"] == "ConfigMap"])
+
+
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_no_secret_in_any_config_map(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
     config_maps = json.dumps([m["data"] for m in rendered[name] if m["kind"] == "ConfigMap"])
@@ -521,6 +532,11 @@ def with_endpoint(**endpoint: Any) -> dict[str, Any]:
         (coordinator(securityContext={"runAsUser": 0}), "/coordinator/securityContext/runAsUser"),
         (coordinator(service={"grpcPort": 70000}), "/coordinator/service/grpcPort"),
         (coordinator(extraEnv={"1BAD": "x"}), "invalid propertyName '1BAD'"),
+        (coordinator(viewerTokenSecret={"name": "viewer"}), "/coordinator/viewerTokenSecret"),
+        (
+            coordinator(viewerTokenSecret={"name": "v", "key": "k", "value": "t"}),
+            "additional properties 'value'",
+        ),
     ],
 )
 def test_schema_rejects_bad_coordinator_values(values: dict[str, Any], message: str) -> None:

@@ -177,6 +177,13 @@ the file, but not over the gateway's own BCSTACK_COORDINATOR_LOG_LEVEL. */}}
 - name: {{ $name }}
   value: {{ $value | toString | quote }}
 {{- end }}
+{{- with $c.viewerTokenSecret }}
+- name: BCSTACK_COORDINATOR_VIEWER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .name }}
+      key: {{ .key }}
+{{- end }}
 {{- include "bcstack.adminTokenEnv" .context }}
 {{- end }}
 
