@@ -124,3 +124,36 @@ def test_an_error_quoting_a_huge_field_reaches_the_client_cut() -> None:
             await server.stop(grace=1)
 
     asyncio.run(scenario())
+
+
+def test_idle_clients_keepalive_pings_do_not_get_the_connection_dropped() -> None:
+    """Our clients ping idle connections (channel_options); gRPC's server defaults answered those
+    pings with GOAWAY too_many_pings and dropped the connection (seen in the fuzzer's logs). A
+    client pinging every second stays READY on a server told to expect that; the defaults accept
+    the default clients' interval."""
+    from core.kit.grpc_server import KEEPALIVE_SECONDS, channel_options, server_keepalive_options
+
+    accepted = dict(server_keepalive_options())
+    assert accepted["grpc.keepalive_permit_without_calls"] == 1
+    assert accepted["grpc.http2.min_ping_interval_without_data_ms"] < KEEPALIVE_SECONDS * 1000
+
+    async def scenario() -> set[grpc.ChannelConnectivity]:
+        settings = load_settings(ServiceSettings, grpc_port=0)
+        server = GrpcServer("keepalive-test", settings, options=server_keepalive_options(1.0))
+        server.add(judge_pb2_grpc.add_JudgeServiceServicer_to_server, Judge())
+        await server.start()
+        try:
+            channel = grpc.aio.insecure_channel(server.target, options=channel_options(keepalive_seconds=1.0))
+            async with channel:
+                stub = judge_pb2_grpc.JudgeServiceStub(channel)
+                await stub.GradeAnswer(judge_pb2.GradeAnswerRequest())
+                states = set()
+                for _ in range(30):  # 6 s idle: the old defaults dropped it after ~3 pings
+                    states.add(channel.get_state())
+                    await asyncio.sleep(0.2)
+                await stub.GradeAnswer(judge_pb2.GradeAnswerRequest())
+                return states
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(scenario()) == {grpc.ChannelConnectivity.READY}

@@ -44,8 +44,24 @@ def message_size_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+KEEPALIVE_SECONDS = 30.0  # how often clients ping an idle connection (channel_options)
+
+
+def server_keepalive_options(client_keepalive_seconds: float = KEEPALIVE_SECONDS) -> list[tuple[str, Any]]:
+    """Server options that accept the clients' keepalive pings. gRPC's server defaults allow one
+    ping per 5 minutes without data and none without a call in flight: our clients' 30 s pings
+    counted as abuse and the server answered GOAWAY too_many_pings after two, dropping the
+    connection (and with it any long, quiet call on it, e.g. a worker episode). Pings are
+    accepted at a third of the clients' interval. (gRPC's doc/keepalive.md: the server-side
+    GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS and GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS.)"""
+    return [
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(client_keepalive_seconds * 1000 / 3)),
+    ]
+
+
 def channel_options(
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *, keepalive_seconds: float = 30.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *, keepalive_seconds: float = KEEPALIVE_SECONDS
 ) -> list[tuple[str, Any]]:
     """Client options: message limits matching the servers, and keepalive pings so a dead peer
     behind a load balancer is noticed within keepalive_seconds + 10 s instead of hanging an episode."""
@@ -253,7 +269,12 @@ class GrpcServer:
             RequestEdgeInterceptor(),
             *interceptors,
         ]
-        self._options = [*message_size_options(settings.grpc_max_message_bytes), *options]
+        # gRPC takes the first of repeated channel args: the caller's options come first so they win
+        self._options = [
+            *options,
+            *message_size_options(settings.grpc_max_message_bytes),
+            *server_keepalive_options(),
+        ]
         self._bindings: list[tuple[Callable[[Any, grpc.aio.Server], None], Any]] = []
         self._service_names: list[str] = []
         self._server: grpc.aio.Server | None = None
