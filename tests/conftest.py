@@ -27,12 +27,16 @@ T = TypeVar("T")
 SLOWEST_FIRST = (
     "test_specialists_live.py",
     "test_rl_loop.py",
+    "test_eval_kill.py",
     "test_trainer_distributed.py",
+    "test_http_fuzz.py",
     "test_speedrun.py",
+    "test_grpc_fuzz.py",
     "test_alerts_live.py",
     "test_extras.py",
     "test_eval_stack.py",
     "test_canary_live.py",
+    "test_viewer_browser.py",
 )
 
 
