@@ -2,8 +2,10 @@
 PYTHON ?= python3
 STAMP  := .make/install.stamp
 PYTEST_ARGS ?=
-# Two pytest-xdist workers, a whole module each, slowest modules first (tests/conftest.py); 0 = one process
-PYTEST_WORKERS ?= 2
+# PYTEST_WORKERS=2: two pytest-xdist workers, a whole module each, slowest modules first
+# (tests/conftest.py). Off by default: on two cores the training modules' torch processes then
+# share the cores and run ~3x slower each (README, Development), so the suite is no faster.
+PYTEST_WORKERS ?= 0
 
 .PHONY: help install demo speedrun test lint proto dashboards clean
 
@@ -24,7 +26,7 @@ speedrun: install  ## the CPU learning proof: untrained -> SFT -> RL on held-out
 	$(PYTHON) -m bcstack.speedrun
 
 test: install  ## the whole test suite
-	$(PYTHON) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PYTHON) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 lint: install  ## ruff, and the layer contracts (import-linter, pyproject.toml)
 	$(PYTHON) -m ruff check .
