@@ -23,7 +23,10 @@ from devkit.toyworld.domains import write_mixed_format_sft
 from tests.conftest import find_free_port
 from tests.stack_util import bcstack_process
 
-pytestmark = pytest.mark.slow
+# The first test's fixtures (the base SFT of 375 steps, then 20 LoRA GRPO updates) take 250 s on
+# one 2-core machine and 660 s on another (0.65 s per SFT step, ~18 s per RL update): past pytest's
+# 600 s limit, which counts fixture time against the test that needs them.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ADMIN = "specialists-test-token"
 DOMAINS = ("arithmetic", "sequence")
