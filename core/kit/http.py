@@ -137,6 +137,23 @@ class ValidationErrorBody(BaseModel):
     detail: list[ValidationIssue]
 
 
+def json_or_sse_response(description: str) -> dict[str, Any]:
+    """An OpenAPI 200 answer that is a JSON object, or server-sent events when the request asks to
+    stream (the gateway's episodes, the stand-in LLM's chat completions)."""
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+                }
+            },
+        },
+    }
+
+
 def json_body(model: type[BaseModel], *, required: bool = True) -> dict[str, Any]:
     """`openapi_extra` documenting `model` as the JSON request body of a route that reads the body
     itself (to answer in another API's error format). Nested models are inlined, so the document

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, RootModel
 
-from core.kit.http import ValidationErrorBody
+from core.kit.http import ValidationErrorBody, json_or_sse_response
 
 
 class GatewayError(BaseModel):
@@ -33,18 +33,9 @@ _INVALID = _error(
 )
 
 POST_EPISODE: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "the episode's result; with ?stream=true, server-sent events ending in `final`",
-        "content": {
-            "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {
-                "schema": {
-                    "type": "object",
-                    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
-                }
-            },
-        },
-    },
+    200: json_or_sse_response(
+        "the episode's result; with ?stream=true, server-sent events ending in `final`"
+    ),
     409: _error("an episode with this episode_id is running now"),
     422: _INVALID,
     429: _error("the gateway runs its maximum of concurrent episodes (Retry-After)"),

@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from core.kit.auth import bearer_token, require_admin, token_matches
-from core.kit.http import KitDetail, ValidationErrorBody, create_app, json_body
+from core.kit.http import KitDetail, ValidationErrorBody, create_app, json_body, json_or_sse_response
 from core.kit.metrics import new_registry
 from services.coordinator_llm import protocol as proto
 from services.coordinator_llm.faults import GARBAGE_CONTENT, FaultInjector
@@ -107,18 +107,9 @@ KEYED_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _openai_error("no API key, or a wrong one (api_key set)")
 }
 CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "a chat.completion; with stream true, chat.completion.chunk events then [DONE]",
-        "content": {
-            "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {
-                "schema": {
-                    "type": "object",
-                    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
-                }
-            },
-        },
-    },
+    200: json_or_sse_response(
+        "a chat.completion; with stream true, chat.completion.chunk events then [DONE]"
+    ),
     400: _openai_error("not a JSON object, or an unsupported option (n > 1, logprobs)"),
     404: _openai_error("the request names another model (model_not_found)"),
     422: _openai_error("a field with an invalid value"),
