@@ -49,6 +49,56 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+# An item (setup + call + teardown, so the fixtures it starts count) should take at most this long;
+# the terminal summary names every one over it that pyproject's `long_items` does not list with a reason.
+ITEM_SECONDS = 90.0
+
+
+def pytest_addoption(parser) -> None:
+    parser.addini(
+        "long_items",
+        "test ids allowed past ITEM_SECONDS, one a line: `nodeid  # reason`",
+        type="linelist",
+        default=[],
+    )
+
+
+def _item_seconds(terminalreporter) -> dict[str, float]:
+    """Seconds per test id, setup + call + teardown, from every report the run produced."""
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
+    return seconds
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own `--durations` table: the log ends with both
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """After pytest's own `--durations`: each module's total, longest first, and any item past
+    ITEM_SECONDS that pyproject does not allow, so the suite's time is visible in CI's log."""
+    seconds = _item_seconds(terminalreporter)
+    if not seconds:
+        return
+    modules: dict[str, tuple[float, int]] = {}
+    for nodeid, s in seconds.items():
+        total, count = modules.get(nodeid.split("::")[0], (0.0, 0))
+        modules[nodeid.split("::")[0]] = (total + s, count + 1)
+    write = terminalreporter.write_line
+    terminalreporter.section("seconds per module (setup + call + teardown)")
+    for module, (total, count) in sorted(modules.items(), key=lambda kv: -kv[1][0]):
+        write(f"{total:8.1f} s  {count:4d} items  {module}")
+    write(f"{sum(seconds.values()):8.1f} s  {len(seconds):4d} items  in all")
+    allowed = {line.split("#")[0].strip() for line in config.getini("long_items")}
+    over = sorted(
+        ((s, n) for n, s in seconds.items() if s > ITEM_SECONDS and n not in allowed), reverse=True
+    )
+    if over:
+        terminalreporter.section(f"items over {ITEM_SECONDS:.0f} s not listed in pyproject's long_items")
+        for s, nodeid in over:
+            write(f"{s:8.1f} s  {nodeid}")
+
+
 def pytest_configure(config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # Several workers' stacks start at once: the chart's default ports would race (bcstack.stack).

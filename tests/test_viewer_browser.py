@@ -4,15 +4,16 @@ chromium-driver, against a real gateway process serving a seeded records file.
 What a person would check: the token is asked for and enforced, the list shows the right rows,
 its filters narrow them and its pages walk them, the known episode's page shows every coordinator
 turn, worker turn and tool call, thinking and long pages are folded, the loss-mask toggle shows
-which tokens are trained on, a missing id is a 404 page. The episode page's screenshot is saved
-(README "Episode viewer" shows the committed one): `BCSTACK_VIEWER_SCREENSHOT` names the file,
-default bench/results/viewer-episode.png.
+which tokens are trained on, a missing id is a 404 page. The episode page's screenshot is taken into
+the test's temporary folder; `BCSTACK_VIEWER_SCREENSHOT=bench/results/viewer-episode.png` refreshes
+the one the README shows (a run leaves the tree as it found it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,10 +43,8 @@ TOKEN = "viewer-secret"
 KNOWN = "known-episode"
 T0 = 1_790_000_000.0
 DAY = 86_400.0
-SCREENSHOT = Path(
-    os.environ.get("BCSTACK_VIEWER_SCREENSHOT")
-    or Path(__file__).resolve().parent.parent / "bench" / "results" / "viewer-episode.png"
-)
+# Where the episode page's screenshot goes besides the test's temporary folder (unset: nowhere).
+SCREENSHOT = os.environ.get("BCSTACK_VIEWER_SCREENSHOT")
 
 # The seeded list: the known episode and eleven plain ones (status, group, weight version, verdict, day).
 PLAIN = [
@@ -248,7 +247,7 @@ def test_the_episode_page_shows_every_turn_and_tool_call(gateway: str, browser) 
     )
 
 
-def test_the_mask_toggle_shows_what_is_trained_on(gateway: str, browser) -> None:
+def test_the_mask_toggle_shows_what_is_trained_on(gateway: str, browser, tmp_path: Path) -> None:
     browser.get(f"{gateway}/ui/episodes/{KNOWN}")
     mask = _one(browser, ".mask-view")
     toggle = _one(browser, "#mask-toggle")
@@ -262,10 +261,13 @@ def test_the_mask_toggle_shows_what_is_trained_on(gateway: str, browser) -> None
         "background-color"
     )
     assert WORKER_TURNS[0].thinking in trained[0].text
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     height = browser.execute_script("return document.documentElement.scrollHeight")
     browser.set_window_size(1280, min(height + 40, 4000))
-    assert browser.save_screenshot(str(SCREENSHOT)) and SCREENSHOT.stat().st_size > 10_000
+    shot = tmp_path / "viewer-episode.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    if SCREENSHOT:
+        Path(SCREENSHOT).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, SCREENSHOT)
     browser.set_window_size(1280, 1000)
     toggle.click()
     assert not mask.is_displayed()
