@@ -90,9 +90,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         write(f"{total:8.1f} s  {count:4d} items  {module}")
     write(f"{sum(seconds.values()):8.1f} s  {len(seconds):4d} items  in all")
     allowed = {line.split("#")[0].strip() for line in config.getini("long_items")}
-    over = sorted(
-        ((s, n) for n, s in seconds.items() if s > ITEM_SECONDS and n not in allowed), reverse=True
-    )
+    over = sorted(((s, n) for n, s in seconds.items() if s > ITEM_SECONDS and n not in allowed), reverse=True)
     if over:
         terminalreporter.section(f"items over {ITEM_SECONDS:.0f} s not listed in pyproject's long_items")
         for s, nodeid in over:
