@@ -1,7 +1,8 @@
 """Shared test helpers, kept generic: free loopback ports and bounded waiting.
 
-Fixtures: `free_port` (an unused loopback TCP port), `toy_kit` (one toy world, tiny model and index
-for the whole session, shared by pytest-xdist's workers). Plain helpers, importable as
+Fixtures: `free_port` (an unused loopback TCP port), `tiny_kit` (a copy of the default tiny kit,
+built once per session and seed), `toy_kit` (one toy world, tiny model and index for the whole
+session, shared by pytest-xdist's workers). Plain helpers, importable as
 `from conftest import find_free_port, wait_for_port, wait_until`.
 
 `make test PYTEST_WORKERS=2` runs the suite on two pytest-xdist workers, a module at a time each
@@ -15,6 +16,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -156,8 +158,41 @@ def free_port() -> int:
     return find_free_port()
 
 
+def _session_root(tmp_path_factory) -> Path:
+    """The folder every worker of one session shares (under pytest-xdist: above each worker's own)."""
+    shared = tmp_path_factory.getbasetemp()
+    return shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+
+
 @pytest.fixture(scope="session")
-def toy_kit(tmp_path_factory):
+def tiny_kit(tmp_path_factory) -> Callable[..., Path]:
+    """`tiny_kit(dest, seed=0)`: a private copy at `dest` of the default tiny kit of that seed
+    (`build_tiny_kit(dest, seed=seed)`), each seed built once per session; a copy costs milliseconds,
+    a build ~5-9 s, and a dozen modules need one."""
+    import shutil
+
+    from filelock import FileLock
+
+    from devkit.modelkit.build import build_tiny_kit
+
+    root = _session_root(tmp_path_factory)
+
+    def copy(dest, seed: int = 0) -> Path:
+        built = root / f"tiny-kit-seed{seed}"
+        with FileLock(str(root / f"tiny-kit-seed{seed}.lock")):
+            if not (built / "COMPLETE").exists():
+                shutil.rmtree(built, ignore_errors=True)
+                build_tiny_kit(built / "kit", seed=seed)
+                (built / "COMPLETE").touch()
+        dest = Path(dest)
+        shutil.copytree(built / "kit", dest, dirs_exist_ok=True)
+        return dest
+
+    return copy
+
+
+@pytest.fixture(scope="session")
+def toy_kit(tmp_path_factory, tiny_kit):
     """One toy world (500 documents, seed 5, 8 test questions per tier, no train split), the tiny
     model and its retrieval index, built once per test session for the end-to-end suites.
 
@@ -168,21 +203,18 @@ def toy_kit(tmp_path_factory):
 
     from filelock import FileLock
 
-    from devkit.modelkit.build import build_tiny_kit
     from devkit.toyworld.generator import generate_world, write_world
 
     world = generate_world(500, 5, questions_per_tier=8, train_medium=0, train_hard=0)
     # Under pytest-xdist every worker has its own basetemp below one shared folder: the first worker
     # to get here builds the kit there, the others wait on the lock and use it.
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent
+    shared = _session_root(tmp_path_factory)
     root = shared / "toy-kit"
     with FileLock(str(shared / "toy-kit.lock")):
         if not (root / "COMPLETE").exists():
             root.mkdir(exist_ok=True)
             write_world(world, root / "world")
-            build_tiny_kit(root / "tiny")
+            tiny_kit(root / "tiny")
             index = subprocess.run(
                 [sys.executable, "-m", "bcstack", "index", "--corpus", str(root / "world" / "corpus.jsonl"),
                  "--index-dir", str(root / "idx")],

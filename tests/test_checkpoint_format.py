@@ -28,7 +28,6 @@ from core.checkpoint import (
     verify_checkpoint,
     write_sha256sums,
 )
-from devkit.modelkit.build import build_tiny_kit
 from trainer.export import export_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,10 +99,8 @@ def _meta_layout(config: dict) -> list[tuple[str, tuple[tuple[int, ...], str]]]:
 
 
 @pytest.fixture(scope="module")
-def kit(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("kit") / "tiny"
-    build_tiny_kit(out)
-    return out
+def kit(tmp_path_factory: pytest.TempPathFactory, tiny_kit) -> Path:
+    return tiny_kit(tmp_path_factory.mktemp("kit") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from conftest import find_free_port, wait_until
 
 from core import engine_client as ec
 from core.chat_template import render_chat
-from devkit.modelkit.build import build_tiny_kit
 from devkit.modelkit.model import build_tiny_qwen3
 from services.engine.scripted import parse_chatml
 
@@ -51,12 +50,12 @@ def _sharpen_and_save(model: Any, out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def kits(tmp_path_factory) -> dict[str, Path]:
+def kits(tmp_path_factory, tiny_kit) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = tmp_path_factory.mktemp("kits")
     a, b = root / "a", root / "b"
-    build_tiny_kit(a, seed=0)
+    tiny_kit(a, seed=0)
     _sharpen_and_save(AutoModelForCausalLM.from_pretrained(a), a)
     shutil.copytree(a, b)
     _sharpen_and_save(build_tiny_qwen3(AutoTokenizer.from_pretrained(a), seed=1), b)

@@ -32,7 +32,6 @@ from test_engine import (
     _Stream,
 )
 
-from devkit.modelkit.build import build_tiny_kit
 from devkit.modelkit.model import build_tiny_qwen3
 from services.engine import prefix_cache as pc
 from services.engine.prefix_cache import PrefixCache
@@ -100,12 +99,12 @@ def test_a_hash_collision_never_gives_a_wrong_match(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def kits(tmp_path_factory) -> dict[str, Path]:
+def kits(tmp_path_factory, tiny_kit) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = tmp_path_factory.mktemp("kits")
     a, b = root / "a", root / "b"
-    build_tiny_kit(a, seed=0)
+    tiny_kit(a, seed=0)
     _sharpen_and_save(AutoModelForCausalLM.from_pretrained(a), a)
     shutil.copytree(a, b)
     _sharpen_and_save(build_tiny_qwen3(AutoTokenizer.from_pretrained(a), seed=1), b)

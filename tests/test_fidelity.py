@@ -19,7 +19,6 @@ from core import protocol as p
 from core.kit.metrics import new_registry
 from core.records import trajectory_from_proto
 from core.v1 import common_pb2, worker_pb2
-from devkit.modelkit.build import build_tiny_kit
 from devkit.toyworld.generator import generate_world
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy
 from services.worker.metrics import WorkerMetrics
@@ -87,11 +86,10 @@ def _native(name: str, **arguments: object) -> str:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def tokenizer(tmp_path_factory, tiny_kit):
     from transformers import AutoTokenizer
 
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    build_tiny_kit(out)
+    out = tiny_kit(tmp_path_factory.mktemp("tiny") / "model")
     return AutoTokenizer.from_pretrained(str(out))
 
 

@@ -51,12 +51,8 @@ def _meta(config):
 
 
 @pytest.fixture(scope="module")
-def kit(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from devkit.modelkit.build import build_tiny_kit
-
-    out = tmp_path_factory.mktemp("lora-kit") / "tiny"
-    build_tiny_kit(out)
-    return out
+def kit(tmp_path_factory: pytest.TempPathFactory, tiny_kit) -> Path:
+    return tiny_kit(tmp_path_factory.mktemp("lora-kit") / "tiny")
 
 
 @pytest.fixture(scope="module")

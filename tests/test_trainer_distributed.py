@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from core.checkpoint import verify_checkpoint
-from devkit.modelkit.build import build_tiny_kit
 from trainer.checkpoint import load_model_state, step_dir_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -142,13 +141,13 @@ def write_records(path: Path, vocab: int, groups: int = 4, episodes: int = 4) ->
 
 
 @pytest.fixture(scope="module")
-def kits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def kits(tmp_path_factory: pytest.TempPathFactory, tiny_kit) -> dict[str, Path]:
     """The tiny kit, and a wider model (hidden 128, 8 heads, 4 KV heads) with the same tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("dist")
     tiny = root / "tiny"
-    build_tiny_kit(tiny)
+    tiny_kit(tiny)
     wide = root / "wide"
     shutil.copytree(tiny, wide)
     config = AutoConfig.from_pretrained(tiny)

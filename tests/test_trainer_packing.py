@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from devkit.modelkit.build import build_tiny_kit
 from trainer.attention import VARLEN, varlen_kwargs
 from trainer.data import Sample
 from trainer.packing import (
@@ -149,10 +148,8 @@ def test_sample_token_means_average_each_samples_trained_tokens() -> None:
 
 
 @pytest.fixture(scope="module")
-def kit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("trainer-packing") / "tiny"
-    build_tiny_kit(out)
-    return out
+def kit_dir(tmp_path_factory: pytest.TempPathFactory, tiny_kit) -> Path:
+    return tiny_kit(tmp_path_factory.mktemp("trainer-packing") / "tiny")
 
 
 def _load(kit_dir: Path, attn_implementation: str) -> torch.nn.Module:

@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-from devkit.modelkit.build import build_tiny_kit
 from trainer.parallel import QWEN3_TP_PLAN, causal_lm_loss, init_distributed, loss_context
 
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -35,10 +34,8 @@ def load_model(kit: Path) -> nn.Module:
 
 
 @pytest.fixture(scope="module")
-def kit(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tp") / "tiny"
-    build_tiny_kit(out)
-    return out
+def kit(tmp_path_factory: pytest.TempPathFactory, tiny_kit) -> Path:
+    return tiny_kit(tmp_path_factory.mktemp("tp") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ from stack_util import bcstack_processes
 from core.checkpoint import write_sha256sums
 from core.engine_client import EngineError
 from core.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from devkit.modelkit.build import build_tiny_kit
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE
 from services.worker.reload import DISABLED_MESSAGE, ReloadManager, ReloadRefused, resolve_checkpoint
 from services.worker.service import add_reload_routes
@@ -43,12 +42,12 @@ WEIGHTS = "model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, toy_kit):
+def stack(tmp_path_factory, toy_kit, tiny_kit):
     tmp = tmp_path_factory.mktemp("reload")
     # The session's toy world and its index (conftest.toy_kit); two kits of our own to swap between.
     world = toy_kit["world"]
-    build_tiny_kit(tmp / "a", seed=0)
-    build_tiny_kit(tmp / "b", seed=1)
+    tiny_kit(tmp / "a", seed=0)
+    tiny_kit(tmp / "b", seed=1)
     rows = json.loads((tmp / "a" / "config.json").read_text())["vocab_size"]
     root = tmp / "checkpoints"
     # The engine keeps A's padded embedding rows, so the exports keep them too.

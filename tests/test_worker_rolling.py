@@ -33,7 +33,6 @@ from typer.testing import CliRunner
 
 from bcstack.reload_cli import app
 from core.checkpoint import SUMS_FILE, VerifyError, verify_checkpoint
-from devkit.modelkit.build import build_tiny_kit
 from services.worker import rolling
 from services.worker.rolling import ReplicaDiscoveryError, k8s_worker_urls
 from services.worker.watch import CheckpointWatcher
@@ -116,9 +115,9 @@ def workers() -> Iterator[tuple[list[FakeWorker], list[str], list[tuple]]]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def exported(tmp_path_factory: pytest.TempPathFactory, tiny_kit) -> Path:
     root = tmp_path_factory.mktemp("export")
-    build_tiny_kit(root / "kit")
+    tiny_kit(root / "kit")
     export_checkpoint(root / "kit", root / "step-100")
     return root / "step-100"
 

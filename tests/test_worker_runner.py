@@ -17,7 +17,6 @@ from core import protocol as p
 from core.budget import BudgetLimits
 from core.chat_template import render_chat
 from core.engine_client import EngineError, EngineUnavailable
-from devkit.modelkit.build import build_tiny_kit
 from devkit.toyworld.generator import generate_world
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy
 from services.worker.prompts import WORKER_SYSTEM_PROMPT
@@ -26,11 +25,10 @@ from services.worker.runner import EpisodeRunner, ProtocolSettings
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def tokenizer(tmp_path_factory, tiny_kit):
     from transformers import AutoTokenizer
 
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    build_tiny_kit(out)
+    out = tiny_kit(tmp_path_factory.mktemp("tiny") / "model")
     return AutoTokenizer.from_pretrained(str(out))
 
 
