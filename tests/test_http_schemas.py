@@ -1,5 +1,7 @@
-"""What the HTTP fuzzing (tests/test_http_fuzz.py) found, pinned with plain requests to in-process
-apps: the crashes it found stay fixed, and the OpenAPI documents keep saying what the services do."""
+"""What the HTTP fuzzing (tests/test_http_fuzz.py, bench/fuzz_http.py) found, pinned with plain
+requests to in-process apps: the crashes it found stay fixed, and the OpenAPI documents keep
+saying what the services do (schemathesis' every check: a schema-valid request is accepted, a
+schema-violating one refused, `Allow` names a path's methods)."""
 
 from __future__ import annotations
 
@@ -106,3 +108,30 @@ def test_gateway_refuses_a_worker_budget_the_wire_cannot_carry():
         EpisodeRequest.model_validate({"question": "q", "worker_budget": {"max_tokens": 2**58}})
     assert refused.value.errors()[0]["loc"] == ("worker_budget", "max_tokens")
     EpisodeRequest.model_validate({"question": "q", "worker_budget": {"max_tokens": 2**31 - 1}})
+
+
+# --- found by schemathesis with every check (`st run --checks all`, tests/http_fuzz.py) ----------
+
+
+def test_a_path_served_by_one_route_per_method_names_them_all_in_allow():
+    # Starlette's 405 named the first route's methods only: OPTIONS /flush_cache said `Allow: POST`
+    # though GET /flush_cache is served too (engine; worker /admin/reload, gateway /admin/coordinator
+    # and /v1/episodes, coordinator-llm /admin/faults alike).
+    from core.kit.http import create_app
+    from core.kit.settings import ServiceSettings, load_settings
+
+    app = create_app("t", load_settings(ServiceSettings))
+    app.get("/x")(lambda: {})
+    app.post("/x")(lambda: {})
+    response = _call(app, "OPTIONS", "/x")
+    assert response.status_code == 405
+    assert set(response.headers["allow"].split(", ")) - {"HEAD"} == {"GET", "POST"}
+
+
+@pytest.mark.parametrize(
+    ("path", "methods"), [("/flush_cache", {"GET", "POST"}), ("/generate", {"POST", "PUT"})]
+)
+def test_engine_answers_options_with_every_method_of_the_path(engine_app, path, methods):
+    response = _call(engine_app, "OPTIONS", path)
+    assert response.status_code == 405
+    assert methods <= set(response.headers["allow"].split(", "))
