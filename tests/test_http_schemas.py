@@ -135,3 +135,52 @@ def test_engine_answers_options_with_every_method_of_the_path(engine_app, path, 
     response = _call(engine_app, "OPTIONS", path)
     assert response.status_code == 405
     assert methods <= set(response.headers["allow"].split(", "))
+
+
+def test_engine_abort_request_takes_null_as_the_default(engine_app):
+    # `{"abort_all": null}` fits the schema (bool | null) and was a 400.
+    response = _call(engine_app, "POST", "/abort_request", json={"rid": None, "abort_all": None})
+    assert response.status_code == 503, response.text  # parsed; this app's engine is not loaded
+
+
+@pytest.mark.parametrize(
+    ("sampling", "refused"),
+    [
+        ({"stop_token_ids": [None]}, True),  # was accepted: the schema says integers
+        ({"presence_penalty": False}, True),  # false == 0 in Python: was accepted
+        ({"max_new_tokens": 8.0, "top_k": 5.0, "sampling_seed": 3.0}, False),  # integers in JSON: were 400s
+    ],
+)
+def test_engine_sampling_params_take_the_json_types_of_the_schema(sampling, refused):
+    from services.engine.protocol import RequestError, parse_generate_request
+
+    if refused:
+        with pytest.raises(RequestError):
+            parse_generate_request({"input_ids": [1, 2], "sampling_params": sampling})
+        return
+    parsed = parse_generate_request(
+        {"input_ids": [1.0, 2], "logprob_start_len": 1.0, "sampling_params": sampling}
+    )
+    assert parsed.input_ids == (1, 2) and parsed.logprob_start_len == 1
+    assert (parsed.sampling.max_new_tokens, parsed.sampling.top_k, parsed.sampling.sampling_seed) == (8, 5, 3)
+    assert all(type(v) is int for v in (*parsed.input_ids, parsed.sampling.max_new_tokens))
+
+
+def test_engine_openapi_states_the_refusals_one_field_decides(engine_app):
+    # A schema-valid empty text, empty stop string, top_k 0, unknown sampling name, token id past
+    # the vocabulary or prompt past the context were all 400s.
+    from services.engine.openapi import document_model_limits
+
+    doc = _call(engine_app, "GET", "/openapi.json").json()
+    document_model_limits(doc, vocab_size=100, context_length=64)
+    body = doc["paths"]["/generate"]["put"]["requestBody"]["content"]["application/json"]["schema"]
+    props = body["properties"]
+    assert {"type": "string", "minLength": 1} in props["text"]["anyOf"]
+    ids = next(s for s in props["input_ids"]["anyOf"] if s.get("type") == "array")
+    assert ids["items"]["maximum"] == 99 and ids["maxItems"] == 63
+    sampling = next(s for s in props["sampling_params"]["anyOf"] if s.get("type") == "object")
+    assert sampling["additionalProperties"] is False
+    assert sampling["properties"]["top_k"]["not"] == {"const": 0}
+    assert {"minLength": 1, "type": "string"} in sampling["properties"]["stop"]["anyOf"]
+    max_new = next(s for s in sampling["properties"]["max_new_tokens"]["anyOf"] if s.get("type") == "integer")
+    assert max_new["maximum"] == 62
