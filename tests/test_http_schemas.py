@@ -184,3 +184,56 @@ def test_engine_openapi_states_the_refusals_one_field_decides(engine_app):
     assert {"minLength": 1, "type": "string"} in sampling["properties"]["stop"]["anyOf"]
     max_new = next(s for s in sampling["properties"]["max_new_tokens"]["anyOf"] if s.get("type") == "integer")
     assert max_new["maximum"] == 62
+
+
+class _Pages:
+    def get(self, docid):
+        return None
+
+    def get_by_url(self, url):
+        return None
+
+
+@pytest.fixture
+def retrieval_app():
+    from types import SimpleNamespace
+
+    from services.retrieval.core import RetrievalMetrics, SearchCore
+    from services.retrieval.service import build_http_app
+    from services.retrieval.settings import RetrievalSettings
+
+    settings = RetrievalSettings(max_k=7, max_query_chars=50)
+    index = SimpleNamespace(dense=None, embedder=None, store=SimpleNamespace(count=lambda: 0), pages=_Pages())
+    registry = new_registry()
+    core = SearchCore(index, settings, RetrievalMetrics(registry))
+    return build_http_app(core, settings, registry)
+
+
+def test_retrieval_openapi_states_the_limits_of_its_settings(retrieval_app):
+    # The document said k up to 1000 while max_k (100) refused k 999 with a 400.
+    schemas = _call(retrieval_app, "GET", "/openapi.json").json()["components"]["schemas"]
+    for name in ("SearchBody", "SearchV1Body"):
+        assert schemas[name]["properties"]["k"]["maximum"] == 7
+        assert schemas[name]["properties"]["query"]["maxLength"] == 50
+        assert schemas[name]["properties"]["query"]["pattern"] == r"\S"  # "  " is refused: blank
+    open_body = schemas["OpenBody"]
+    assert [set(branch["required"]) for branch in open_body["anyOf"]] == [{"docid"}, {"url"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/search", {"query": "q", "snippet_words": False}),  # was a 200: false taken as 0
+        ("/v1/search", {"query": "q", "k": "3"}),
+        ("/open", {"docid": True}),
+    ],
+)
+def test_retrieval_refuses_a_value_of_another_json_type(retrieval_app, path, body):
+    assert _call(retrieval_app, "POST", path, json=body).status_code == 422
+
+
+def test_retrieval_open_measures_the_docid_as_sent(retrieval_app):
+    # The length limit applied after stripping, the documented maxLength to what was sent.
+    assert _call(retrieval_app, "POST", "/open", json={"docid": " " * 512 + "x"}).status_code == 422
+    assert _call(retrieval_app, "POST", "/open", json={"docid": " " + "x" * 511}).status_code == 404
+    assert _call(retrieval_app, "POST", "/open", json={"docid": None, "url": " "}).status_code == 400
