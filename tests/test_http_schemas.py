@@ -137,6 +137,50 @@ def test_engine_answers_options_with_every_method_of_the_path(engine_app, path, 
     assert methods <= set(response.headers["allow"].split(", "))
 
 
+def _llm_app():
+    from services.coordinator_llm.service import build_app
+    from services.coordinator_llm.settings import CoordinatorLlmSettings
+
+    return build_app(CoordinatorLlmSettings(model_name="the-model"))
+
+
+def test_coordinator_llm_answers_a_method_a_route_does_not_take_with_405_and_allow():
+    # A catch-all route answered 404 "Invalid URL" to PUT /v1/chat/completions and PUT /v1/models.
+    app = _llm_app()
+    for method, path, allow in [("PUT", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models", "GET")]:
+        response = _call(app, method, path)
+        assert response.status_code == 405, (method, path, response.text)
+        assert allow in response.headers["allow"].split(", ")
+    unknown = _call(app, "POST", "/v1/embeddings", json={})
+    assert unknown.status_code == 404 and unknown.json()["error"]["message"].startswith("Invalid URL")
+
+
+@pytest.mark.parametrize(
+    "extra", [{"top_logprobs": False}, {"logprobs": 0.0}, {"max_tokens": True}, {"temperature": "1"}]
+)
+def test_coordinator_llm_refuses_a_value_of_another_json_type(extra):
+    # pydantic's lax types took false for top_logprobs 0 and 0.0 for logprobs false: answered 200.
+    body = {"model": "the-model", "messages": [{"role": "user", "content": "hi"}], **extra}
+    response = _call(_llm_app(), "POST", "/v1/chat/completions", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == next(iter(extra))
+
+
+def test_coordinator_llm_documents_the_chat_values_it_refuses():
+    # `messages: []`, n 2, logprobs true and a content part other than text were schema-valid 400s.
+    doc = _call(_llm_app(), "GET", "/openapi.json").json()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]
+    props = body["properties"]
+    assert props["messages"]["minItems"] == 1
+    assert props["n"]["anyOf"][0] == {"const": 1}
+    assert props["logprobs"]["anyOf"][0] == {"const": False}
+    content = props["messages"]["items"]["properties"]["content"]["anyOf"]
+    assert {"type": "string"} in content
+    assert any(c.get("items", {}).get("properties", {}).get("type") == {"const": "text"} for c in content)
+
+
 def test_engine_abort_request_takes_null_as_the_default(engine_app):
     # `{"abort_all": null}` fits the schema (bool | null) and was a 400.
     response = _call(engine_app, "POST", "/abort_request", json={"rid": None, "abort_all": None})
