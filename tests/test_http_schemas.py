@@ -281,3 +281,34 @@ def test_retrieval_open_measures_the_docid_as_sent(retrieval_app):
     assert _call(retrieval_app, "POST", "/open", json={"docid": " " * 512 + "x"}).status_code == 422
     assert _call(retrieval_app, "POST", "/open", json={"docid": " " + "x" * 511}).status_code == 404
     assert _call(retrieval_app, "POST", "/open", json={"docid": None, "url": " "}).status_code == 400
+
+
+def _reload_app(root):
+    from fastapi import FastAPI
+    from pydantic import SecretStr
+
+    from services.worker.reload import ReloadManager
+    from services.worker.service import add_reload_routes
+
+    app = FastAPI()
+    app.state.admin_token = SecretStr("t")
+    add_reload_routes(app, ReloadManager(None, root))  # refused before the engine is asked
+    return app
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "status"),
+    [("does_not_exist", 404), ("..", 403), ("/", 403), ("", 422), ("  ", 422), ("a\x00b", 422)],
+)
+def test_worker_reload_answers_a_schema_valid_path_it_cannot_load_with_403_or_404(
+    tmp_path, checkpoint, status
+):
+    # A path that names no folder in the root was a 400 or a 422 (like a malformed request);
+    # blank and NUL paths are now outside the schema, refused before the manager runs.
+    app = _reload_app(tmp_path)
+    response = _call(
+        app, "POST", "/admin/reload", json={"checkpoint": checkpoint}, headers={"Authorization": "Bearer t"}
+    )
+    assert response.status_code == status, response.text
+    doc = _call(app, "GET", "/openapi.json").json()
+    assert str(status) in doc["paths"]["/admin/reload"]["post"]["responses"]
