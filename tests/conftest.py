@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import pytest
 
+pytest_plugins = ["fixtures_fuzz"]
+
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
 
