@@ -38,24 +38,48 @@ def machine() -> dict[str, str]:
             mem = f"{kb / 2**20:.1f} GiB"
     except (OSError, StopIteration, ValueError):
         pass
-    root = Path(__file__).resolve().parents[1]
-    git = ["git", "-C", str(root)]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-    changed = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout
+    head, changed = git_state()
     return {
         "cpu": cpu,
         "cores": str(os.cpu_count()),
         "memory": mem,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "commit": commit.strip() or "unknown",
+        "commit": head[:7] or "unknown",
         "worktree": "uncommitted changes" if changed.strip() else "clean",
     }
+
+
+def git_state() -> tuple[str, str]:
+    """`git rev-parse HEAD` and `git status --porcelain` of this checkout ("" each outside git)."""
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout
+    return head, changed.rstrip("\n")
 
 
 def print_machine() -> None:
     for key, value in machine().items():
         print(f"  {key:9s} {value}")
+    head, changed = git_state()
+    print(f"  {'head':9s} {head or 'unknown'}")
+    for line in changed.splitlines():
+        print(f"  {'changed':9s} {line}")
+
+
+class DirtyTree(SystemExit):
+    """A results file refused: the checkout has uncommitted changes and --dirty-ok was not given."""
+
+
+def require_clean_tree(bench: str, dirty_ok: bool) -> None:
+    """`DirtyTree` unless the checkout is clean or `dirty_ok`; a bench calls it before it runs too,
+    so that a long run does not end in a refusal."""
+    changed = git_state()[1]
+    if changed.strip() and not dirty_ok:
+        raise DirtyTree(
+            f"bench/{bench}.py: uncommitted changes in the checkout:\n{changed}\n"
+            "commit them, or pass --dirty-ok to write a report stamped DIRTY"
+        )
 
 
 @dataclass(frozen=True)
@@ -83,14 +107,16 @@ def _cell(value: Any) -> str:
 def render_results(bench: str, tables: Sequence[Table], extra: dict[str, str] | None = None) -> str:
     """The Markdown a results file holds: how and where the numbers were made, then the tables."""
     m = machine()
+    head, changed = git_state()
     command = shlex.join(["python", *sys.argv])
-    dirty = "" if m["worktree"] == "clean" else " (with uncommitted changes)"
+    dirty = "" if m["worktree"] == "clean" else " (DIRTY: with uncommitted changes, listed below)"
     lines = [
         f"<!-- Written by bench/{bench}.py; run it again to replace this file. -->",
         f"# {bench} benchmark results",
         "",
         f"- command: `{command}`",
-        f"- commit: {m['commit']}{dirty}",
+        f"- commit: {head or m['commit']}{dirty}",
+        *(f"  - `{line}`" for line in changed.splitlines()),
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; {m['platform']}; Python {m['python']}",
         f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         *(f"- {key}: {value}" for key, value in (extra or {}).items()),
@@ -109,10 +135,22 @@ def render_results(bench: str, tables: Sequence[Table], extra: dict[str, str] | 
 
 
 def write_results(
-    bench: str, tables: Sequence[Table], extra: dict[str, str] | None = None, path: Path | None = None
+    bench: str,
+    tables: Sequence[Table],
+    extra: dict[str, str] | None = None,
+    path: Path | None = None,
+    *,
+    dirty_ok: bool | None = None,
 ) -> Path:
     """Write ``render_results`` to ``path`` (default bench/results/<bench>.md), the file the README's
-    tables for this benchmark are taken from; returns the path written."""
+    tables for this benchmark are taken from; returns the path written.
+
+    A bench that passes ``dirty_ok`` (its ``--dirty-ok`` flag) refuses, with `DirtyTree`, to write
+    from a checkout with uncommitted changes unless it is true: a committed report then names the
+    commit that made it. With it, the report says DIRTY and lists the changes. (None: the older
+    benches' behaviour, which writes either way and says so.)"""
+    if dirty_ok is not None:
+        require_clean_tree(bench, dirty_ok)
     path = path or RESULTS_DIR / f"{bench}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_results(bench, tables, extra), encoding="utf-8")

@@ -2,26 +2,30 @@
 more examples than `tests/test_grpc_fuzz.py` runs in `make test`.
 
     python bench/fuzz_grpc.py [--examples 2000] [--garbage 500] [--only RetrievalService.Search ...]
-                              [--seed 0] [--kit DIR] [--work DIR] [--results FILE]
+                              [--seed 0] [--kit DIR] [--work DIR] [--results FILE] [--dirty-ok]
 
-The stack is `devkit.grpcfuzz.stack_layout` (retrieval, the scripted expert engine, worker, judge,
-the scripted coordinator LLM, gateway) on a toy kit built like the test suite's (`--kit` reuses
-one: a folder with world/, tiny/ and idx/). For each RPC (from the service descriptors) it sends
-`--examples` Hypothesis-generated requests and `--garbage` raw byte strings, counts the status
-codes, and stops that RPC at the first call that ends with a code outside
+The stack is `devkit.fuzzstack.stack_layout`, the one the HTTP fuzzing and the test suite use
+(retrieval, the tiny-model and the scripted expert engines, worker, judge, the scripted
+coordinator LLM, gateway; BCSTACK_ADMIN_TOKEN set) on a toy kit built like the test suite's
+(`--kit` reuses one: a folder with world/, tiny/ and idx/). For each RPC (from the service
+descriptors) it sends `--examples` Hypothesis-generated requests and `--garbage` raw byte strings,
+counts the status codes, and stops that RPC at the first call that ends with a code outside
 `devkit.grpcfuzz.ALLOWED_CODES` or an answer that does not parse (the finding, shrunk by
 Hypothesis, goes in the report). After each RPC the process must be alive and answer a
 known-good request. Random (not derandomized) unless --seed is given.
 
-The tables go to bench/results/fuzz_grpc.md (--results): command, commit, machine, date, and per
-RPC the examples, calls, seconds, the count of each status code and the findings. Exit status 1
-when anything was found.
+The tables go to bench/results/fuzz_grpc.md (--results): command, `git rev-parse HEAD` and `git
+status --porcelain`, machine, date, and per RPC the examples, calls, seconds, the count of each
+status code and the findings; from a checkout with uncommitted changes only with --dirty-ok (the
+report then says DIRTY). Exit status 1 when anything was found.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import os
 import sys
 import tempfile
 import time
@@ -32,11 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
-from common import Table, free_port, print_machine, process, write_results  # noqa: E402
+from common import Table, free_port, print_machine, process, require_clean_tree, write_results  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
 
 from core.kit.grpc_server import sync_channel  # noqa: E402
+from devkit.fuzzstack import STACK_ENV, stack_layout  # noqa: E402
 from devkit.grpcfuzz import (  # noqa: E402
     ALLOWED_CODES,
     Rpc,
@@ -46,7 +51,6 @@ from devkit.grpcfuzz import (  # noqa: E402
     known_good,
     message_strategy,
     parse_response,
-    stack_layout,
     world_hints,
 )
 
@@ -125,6 +129,7 @@ def main() -> int:
     parser.add_argument(
         "--results", type=Path, default=None, help="report path (default bench/results/fuzz_grpc.md)"
     )
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
 
     rpcs = [r for r in all_rpcs() if args.only is None or r.id in args.only]
@@ -135,6 +140,9 @@ def main() -> int:
         )
     print("machine:")
     print_machine()
+    require_clean_tree("fuzz_grpc", args.dirty_ok)  # before the run, not after it
+    print(f"  date      {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}")
+    os.environ.update(STACK_ENV)  # every process of the stack inherits it
     work = args.work or Path(tempfile.mkdtemp(prefix="bcstack-fuzz-grpc-"))
     work.mkdir(parents=True, exist_ok=True)
     kit = args.kit or work / "kit"
@@ -153,12 +161,12 @@ def main() -> int:
         procs = {
             p.name: stack.enter_context(process(p.args, p.health_url, work / f"{p.name}.log")) for p in layout
         }
-        serving = {name: p for p in layout for name in p.services}
+        serving = {name: p for p in layout for name in p.grpc_services}
         channels = {p.grpc_target: stack.enter_context(sync_channel(p.grpc_target)) for p in serving.values()}
         for rpc in rpcs:
             target = serving.get(rpc.service)
             if target is None:
-                findings.append(f"{rpc.id}: no process of stack_layout serves {rpc.service}")
+                findings.append(f"{rpc.id}: no process of devkit.fuzzstack.stack_layout serves {rpc.service}")
                 continue
             channel = channels[target.grpc_target]
             for kind, strategy, n in (
@@ -208,7 +216,7 @@ def main() -> int:
         ],
     )  # fmt: skip
     extra = {"seed": str(args.seed) if args.seed is not None else "random", "findings": str(len(findings))}
-    path = write_results("fuzz_grpc", [table], extra, args.results)
+    path = write_results("fuzz_grpc", [table], extra, args.results, dirty_ok=args.dirty_ok)
     print(f"\n{len(findings)} finding(s); report: {path}")
     for f in findings:
         print(f"  - {f}")

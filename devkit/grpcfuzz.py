@@ -6,8 +6,9 @@ the status codes a call may end with.
         strategy = message_strategy(rpc.request)  # valid, boundary and garbage field values
         outcome = call(channel, rpc, strategy.example().SerializeToString(), timeout=30)
 
-Nothing here knows a field by name: a new field, message, enum value, RPC or service is fuzzed
-as soon as its stubs are regenerated. `hints` (field name -> strings) only adds plausible values
+The processes it calls are `devkit.fuzzstack`'s, which the HTTP fuzzing shares. Nothing here
+knows a field by name: a new field, message, enum value, RPC or service is fuzzed as soon as its
+stubs are regenerated. `hints` (field name -> strings) only adds plausible values
 (a real docid, a chat role) so that generated requests also reach past validation.
 """
 
@@ -17,7 +18,7 @@ import importlib
 import json
 import math
 import pkgutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -321,79 +322,7 @@ def parse_response(rpc: Rpc, data: bytes) -> Message:
     return message_factory.GetMessageClass(rpc.response).FromString(data)
 
 
-# --- the stack under test ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FuzzProcess:
-    """One `bcstack serve` process of the fuzzed stack."""
-
-    name: str
-    args: list[str]
-    health_url: str
-    grpc_target: str | None  # where its gRPC services listen; None for HTTP-only helpers
-    services: tuple[str, ...]  # full names of the gRPC services it serves
-
-
-def stack_layout(kit: Path, work: Path, free_port: Callable[[], int]) -> list[FuzzProcess]:
-    """Every gRPC service of the stack as real processes on the embedded defaults, each with the
-    upstreams its RPCs call: retrieval on the kit's index; the worker on the scripted expert engine
-    (an episode takes milliseconds, whatever the task) and retrieval; the judge's rule grader; the
-    gateway on the scripted coordinator LLM and the worker. `kit` holds `tiny/` and `idx/` (the
-    test suite's `toy_kit`); `work` gets the gateway's config and records."""
-    host = "127.0.0.1"
-    port = {name: free_port() for name in ("r", "rg", "e", "w", "wg", "j", "jg", "l", "c", "cg")}
-
-    def http(name: str) -> str:
-        return f"http://{host}:{port[name]}"
-
-    gateway_config = work / "gateway.yaml"
-    gateway_config.write_text(
-        json.dumps(
-            {
-                "endpoints": [{"name": "scripted", "base_url": http("l") + "/v1", "model": "scripted"}],
-                "workers": [f"{host}:{port['wg']}"],
-                "records_path": str(work / "gateway.sqlite"),
-                "upstream_backoff_seconds": 0.05,
-                "upstream_backoff_max_seconds": 0.5,
-            }
-        )
-    )  # JSON is YAML
-    tiny = str(kit / "tiny")
-    return [
-        FuzzProcess(
-            "retrieval",
-            ["serve", "retrieval", "--index-dir", str(kit / "idx"), "--port", str(port["r"]),
-             "--grpc-port", str(port["rg"])],
-            http("r") + "/health", f"{host}:{port['rg']}", ("bcstack.v1.RetrievalService",),
-        ),
-        FuzzProcess(
-            "engine",
-            ["serve", "engine", "--policy", "expert", "--tokenizer", tiny, "--port", str(port["e"])],
-            http("e") + "/health", None, (),
-        ),
-        FuzzProcess(
-            "worker",
-            ["serve", "worker", "--tokenizer", tiny, "--engine-url", http("e"),
-             "--retrieval", f"{host}:{port['rg']}", "--port", str(port["w"]), "--grpc-port", str(port["wg"])],
-            http("w") + "/health", f"{host}:{port['wg']}", ("bcstack.v1.WorkerService",),
-        ),
-        FuzzProcess(
-            "judge", ["serve", "judge", "--port", str(port["j"]), "--grpc-port", str(port["jg"])],
-            http("j") + "/health", f"{host}:{port['jg']}", ("bcstack.v1.JudgeService",),
-        ),
-        FuzzProcess(
-            "coordinator-llm",
-            ["serve", "coordinator-llm", "--port", str(port["l"]), "--model-name", "scripted"],
-            http("l") + "/health", None, (),
-        ),
-        FuzzProcess(
-            "coordinator",
-            ["serve", "coordinator", "--config", str(gateway_config), "--port", str(port["c"]),
-             "--grpc-port", str(port["cg"])],
-            http("c") + "/health", f"{host}:{port['cg']}", ("bcstack.v1.CoordinatorService",),
-        ),
-    ]  # fmt: skip
+# --- plausible and known-good requests -----------------------------------------------------------
 
 
 def world_hints(world: Path, n: int = 4) -> dict[str, list[str]]:

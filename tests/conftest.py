@@ -21,6 +21,8 @@ from typing import TypeVar
 
 import pytest
 
+pytest_plugins = ["fixtures_fuzz"]
+
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
 

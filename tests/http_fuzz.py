@@ -1,47 +1,50 @@
-"""Schemathesis against every service's HTTP API, with real `bcstack serve` processes.
+"""Schemathesis against every service's HTTP API, with every check, on real `bcstack serve` processes.
 
 Shared by `tests/test_http_fuzz.py` (the short version in `make test`) and `bench/fuzz_http.py`
-(the long one, with a report):
+(the long one, with a report); both run on the stack of `devkit.fuzzstack` (the admin token set):
 
-    with fuzz_stack(kit_dir, work_dir) as stack:          # the 7 processes, admin token set
-        report = fuzz_service("judge", stack.urls["judge"], examples=...)
+    report = fuzz_service("judge", stack.urls["judge"], examples=4, seed=19)
+    report = fuzz_service("judge", url, examples=1, cases=10_000)   # rounds until 10,000 cases
 
-`fuzz_service` loads the service's `/openapi.json`, and for every operation draws cases from
-schemathesis' Hypothesis strategies (positive: what the schema allows; negative: what it does
-not), sends each to the running process and checks the answer:
+`fuzz_service` loads the service's `/openapi.json` and runs schemathesis' own engine on it, as
+`st run --checks all` does: the examples, coverage, fuzzing and stateful phases, cases that fit
+the schema (positive) and cases that do not (negative), every built-in check:
 
-- no 5xx, except a 503 the operation documents (an upstream that cannot answer: see README,
-  "Fuzzing");
-- the status code is one the operation documents, the content type and the body conform to the
-  documented response schema (schemathesis' `status_code_conformance`,
-  `content_type_conformance`, `response_schema_conformance`);
-- an admin operation never answers 2xx without the admin token. Admin operations are fuzzed
-  twice: without the token (every one; the answer must be 401) and with it (those in
-  `WITH_TOKEN_SAFE` only, see there).
+- no 5xx;
+- the status code, content type, headers and body are the ones the operation documents;
+- a schema-valid request is accepted, a schema-violating one refused (`positive_data_acceptance`,
+  `negative_data_rejection`), a required header's absence refused;
+- a method the schema does not list gets 405 with an `Allow` header, and OPTIONS' `Allow` lists
+  exactly the documented methods (`unsupported_method`, `allow_header_conformance`);
+- an operation behind the admin token never answers 2xx without it, nor with a made-up one
+  (`ignored_auth`), plus the stateful checks where links between operations exist.
 
-Only generation runs (no explicit examples, no shrinking, no database, no deadline): a failure is
-reported with the case that caused it and fuzzing goes on, so one run lists every problem.
+The few failures the services' documents allow (a documented 503, the engine's limits on fields
+together) are accepted by the `filter_failure` hook of `devkit/schemathesis_hooks.py`, which
+`schemathesis.toml` names, so a user's `st run` from the repository's root judges alike; the
+report counts them.
+
+Admin operations run twice: without the token (every one; the answer must be 401, or 403 for a
+generated wrong token) and with it (those in `WITH_TOKEN_SAFE` only, see there). Failures do not
+stop a run (`continue-on-failure`), there is no shrinking and no example database: a report lists
+every problem, each with the curl command that reproduces it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import shutil
+import math
 import time
+import tomllib
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import requests
-from conftest import find_free_port
-from stack_util import bcstack_processes
 
-ADMIN_TOKEN = "fuzz-admin-token"
-SERVICES = ("retrieval", "engine", "worker", "coordinator", "coordinator-llm", "judge")
-LLM_MODEL = "scripted-coordinator"
+from devkit.fuzzstack import ADMIN_TOKEN, HTTP_SERVICES
 
+SERVICES = HTTP_SERVICES
 # Admin operations fuzzed *with* the token too. The others change what the service does for every
 # later case, so with the token they are left to their own tests; without it they are fuzzed like
 # the rest (and must refuse):
@@ -64,55 +67,10 @@ WITH_TOKEN_SAFE = {
 VIEWER = "/ui"
 
 
-@dataclasses.dataclass
-class FuzzStack:
-    urls: dict[str, str]
-    work: Path
-
-
-def _url(port: int) -> str:
-    return f"http://127.0.0.1:{port}"
-
-
-@contextlib.contextmanager
-def fuzz_stack(kit: Path, work: Path, timeout: float = 180) -> Iterator[FuzzStack]:
-    """The six services as `bcstack serve` processes on the toy kit (`kit` holds world/, tiny/,
-    idx/), every one with BCSTACK_ADMIN_TOKEN set. The engine under fuzz serves the tiny model
-    with a 512-token context (so no generated request decodes for long); the worker talks to a
-    second engine, the scripted expert, so the gateway's episodes finish quickly."""
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "checkpoints").mkdir(exist_ok=True)
-    # A copy of the index: the dense shard takes a lock on its WAL, so a retrieval process of
-    # another test (or bench) on the same kit would keep this one from starting.
-    shutil.copytree(kit / "idx", work / "idx", dirs_exist_ok=True)
-    ports = {name: find_free_port() for name in ("r", "rg", "e", "x", "w", "wg", "l", "c", "cg", "j", "jg")}
-    env = {"BCSTACK_ADMIN_TOKEN": ADMIN_TOKEN}
-    tiny = str(kit / "tiny")
-    specs = [
-        (["serve", "retrieval", "--index-dir", str(work / "idx"), "--port", str(ports["r"]),
-          "--grpc-port", str(ports["rg"])], ports["r"]),
-        (["serve", "engine", "--model", tiny, "--context-length", "512", "--port", str(ports["e"])],
-         ports["e"]),
-        (["serve", "engine", "--policy", "expert", "--tokenizer", tiny, "--port", str(ports["x"])],
-         ports["x"]),
-        (["serve", "worker", "--tokenizer", tiny, "--engine-url", _url(ports["x"]),
-          "--retrieval", f"127.0.0.1:{ports['rg']}", "--checkpoint-root", str(work / "checkpoints"),
-          "--port", str(ports["w"]), "--grpc-port", str(ports["wg"])], ports["w"]),
-        (["serve", "coordinator-llm", "--model-name", LLM_MODEL, "--port", str(ports["l"])], ports["l"]),
-        (["serve", "coordinator", "--coordinator-url", _url(ports["l"]) + "/v1",
-          "--coordinator-model", LLM_MODEL, "--workers", f"127.0.0.1:{ports['wg']}",
-          "--records-path", str(work / "records.sqlite"), "--port", str(ports["c"]),
-          "--grpc-port", str(ports["cg"])], ports["c"]),
-        (["serve", "judge", "--port", str(ports["j"]), "--grpc-port", str(ports["jg"])], ports["j"]),
-    ]  # fmt: skip
-    with bcstack_processes(
-        [(args, _url(port) + "/health") for args, port in specs], timeout=timeout, env=env
-    ):
-        urls = dict(zip(SERVICES, (_url(ports[k]) for k in ("r", "e", "w", "c", "l", "j")), strict=True))
-        yield FuzzStack(urls, work)
-
-
-# --- the fuzzer ----------------------------------------------------------------------------------
+# Every phase `st run` has; the coverage phase is the one that sends undeclared methods and OPTIONS.
+PHASES = ("examples", "coverage", "fuzzing", "stateful")
+# The checks' settings a user's `st run` from the repository's root reads too.
+CONFIG_FILE = Path(__file__).resolve().parents[1] / "schemathesis.toml"
 
 
 @dataclasses.dataclass
@@ -135,6 +93,8 @@ class FuzzReport:
     cases: Counter = dataclasses.field(default_factory=Counter)  # (operation, phase) -> cases sent
     statuses: Counter = dataclasses.field(default_factory=Counter)  # (operation, status) -> count
     failures: list[Problem] = dataclasses.field(default_factory=list)
+    accepted: Counter = dataclasses.field(default_factory=Counter)  # operation -> failures the hook let pass
+    seeds: list[int] = dataclasses.field(default_factory=list)  # one per schemathesis run
     seconds: float = 0.0
 
     @property
@@ -157,134 +117,189 @@ def is_admin(operation: Any) -> bool:
     return bool(operation.definition.raw.get("security"))
 
 
-def _documented(operation: Any) -> set[str]:
-    return set(operation.definition.raw.get("responses", {}))
+def _labels(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every operation of an OpenAPI document by its label ("POST /v1/grade")."""
+    return {
+        f"{method.upper()} {path}": operation
+        for path, operations in doc.get("paths", {}).items()
+        for method, operation in operations.items()
+        if isinstance(operation, dict)
+    }
 
 
-def _server_error(operation: Any, status: int) -> str | None:
-    """Why a 5xx is a failure (None: it is not one). A 503 is allowed where the operation documents
-    it: an upstream (grader, engine, a retriever) that cannot answer right now."""
-    if status < 500 or (status == 503 and "503" in _documented(operation)):
-        return None
-    return f"server error {status}"
+def _config(
+    base_url: str,
+    *,
+    examples: int,
+    seed: int,
+    phases: tuple[str, ...],
+    per_operation: dict[str, dict[str, Any]],
+    headers: dict[str, str] | None,
+    timeout: float,
+) -> Any:
+    """What `st run --checks all` takes from its options, as a schemathesis configuration."""
+    from schemathesis.config import SchemathesisConfig
+
+    config = SchemathesisConfig.from_dict(
+        {
+            **tomllib.loads(CONFIG_FILE.read_text()),
+            "seed": seed,
+            "suppress-health-check": ["all"],
+            "output": {"sanitization": {"enabled": False}},  # a report shows what was sent
+            "base-url": base_url,
+            "workers": 1,
+            "continue-on-failure": True,
+            "request-timeout": timeout,
+            "headers": headers or {},
+            "generation": {"max-examples": examples, "no-shrink": True, "mode": "all"},
+            "phases": {phase: {"enabled": phase in phases} for phase in PHASES},
+            # Every check is on unless an operation's entry turns one off: `--checks all`.
+            "operations": [{"include-name": label, **extra} for label, extra in per_operation.items()],
+        }
+    )
+    return config
 
 
 def fuzz_service(
     service: str,
     base_url: str,
     *,
-    cases: int,
+    examples: int,
+    cases: int = 0,
     examples_for: dict[str, int] | None = None,
-    seed: int | None = None,
+    no_coverage: set[str] | frozenset[str] = frozenset(),
+    seed: int = 0,
     timeout: float = 60,
 ) -> FuzzReport:
-    """Fuzz every operation of the service at `base_url` with about `cases` generated cases.
+    """Fuzz every operation of the service at `base_url`: `examples` fuzzing-phase cases per
+    operation and run (the coverage phase adds its own), and while fewer than `cases` were sent in
+    all, more fuzzing rounds with new seeds on the operations that took their full share (one
+    without parameters has one case to give).
 
-    The cases are shared evenly by the runs: each operation positive and negative, an admin
-    operation without the token and, when in `WITH_TOKEN_SAFE`, again with it. `examples_for`
-    caps an operation's cases per run (e.g. `{"POST /v1/episodes": 8}` for one that runs a whole
-    episode). A run whose inputs run out early (an operation with no parameters) leaves its share
-    to the others, in a second round.
+    A run is the whole operation list without the token, or the service's `WITH_TOKEN_SAFE`
+    operations with it. `examples_for` caps an operation's fuzzing cases per run (e.g.
+    `{"POST /v1/episodes": 8}` for one that runs a whole episode per case); a capped operation
+    gets no more rounds. The operations in `no_coverage` skip the coverage phase (its cases are
+    not capped: every boundary and type the schema has).
     """
-    import hypothesis
     import schemathesis
-    from hypothesis import HealthCheck, Phase
-    from schemathesis.core.failures import Failure, FailureGroup
-    from schemathesis.specs.openapi.checks import (
-        content_type_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
 
-    checks = [status_code_conformance, content_type_conformance, response_schema_conformance]
-    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json", timeout=timeout)
-    operations = [
-        op for op in (result.ok() for result in schema.get_all_operations()) if not op.path.startswith(VIEWER)
-    ]
-    report = FuzzReport(service, sorted(op.label for op in operations))
-    session = requests.Session()
-    admin_header = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    doc = requests.get(f"{base_url}/openapi.json", timeout=timeout).json()
+    all_labels = _labels(doc)
+    labels = {label: op for label, op in all_labels.items() if not label.split(" ", 1)[1].startswith(VIEWER)}
+    admin = {label for label, op in labels.items() if op.get("security")}
+    report = FuzzReport(service, sorted(labels))
+    capped = examples_for or {}
     started = time.perf_counter()
 
-    def run(operation: Any, mode: Any, with_token: bool | None, n: int) -> None:
-        phase = f"{mode.value}" + ("" if with_token is None else ("+token" if with_token else "-token"))
-
-        def fail(check: str, message: str, case: Any) -> None:
-            try:
-                curl = case.as_curl_command(headers=admin_header if with_token else None)
-            except Exception:  # a case curl cannot express still gets reported
-                curl = repr(case)
-            report.failures.append(Problem(f"{operation.label} ({phase})", check, message, curl))
-
-        @hypothesis.settings(
-            max_examples=n,
-            phases=[Phase.generate],
-            deadline=None,
-            database=None,
-            derandomize=seed is None,
-            suppress_health_check=list(HealthCheck),
-            verbosity=hypothesis.Verbosity.quiet,
+    def run(token: bool, operations: list[str], n: int, run_seed: int, phases: tuple[str, ...]) -> Counter:
+        """One schemathesis run; the fuzzing-phase cases per operation it sent."""
+        # The whole document stays loaded (the methods of a path are what `Allow` must list); the
+        # operations not in this run are switched off (schemathesis' own `include` is lost once
+        # the configuration names operations).
+        per_operation: dict[str, dict[str, Any]] = {}
+        for label in all_labels:
+            if label not in operations:
+                per_operation[label] = {"enabled": False}
+                continue
+            extra: dict[str, Any] = {}
+            if label in capped:
+                extra["generation"] = {"max-examples": capped[label]}
+            if label in no_coverage:
+                extra["phases"] = {"coverage": {"enabled": False}}
+            if extra:
+                per_operation[label] = extra
+        config = _config(
+            base_url,
+            examples=n,
+            seed=run_seed,
+            # the stateful phase follows links between operations: the run without the token has them all
+            phases=tuple(p for p in phases if not (token and p == "stateful")),
+            per_operation=per_operation,
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"} if token else None,
+            timeout=timeout,
         )
-        @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
-        def one(case: Any) -> None:
-            report.cases[(operation.label, phase)] += 1
-            try:
-                response = case.call(
-                    base_url=base_url,
-                    session=session,
-                    headers=admin_header if with_token else None,
-                    timeout=timeout,
-                )
-            except requests.RequestException as exc:
-                fail("transport", f"{type(exc).__name__}: {exc}", case)
-                return
-            report.statuses[(operation.label, response.status_code)] += 1
-            if with_token is False and 200 <= response.status_code < 300:
-                fail("admin_without_token", f"answered {response.status_code} without the admin token", case)
-            if (why := _server_error(operation, response.status_code)) is not None:
-                fail("not_a_server_error", f"{why}: {response.text[:300]}", case)
-            try:
-                case.validate_response(response, checks=checks)
-            except FailureGroup as group:
-                for failure in group.exceptions:
-                    fail(failure.title, failure.message, case)
-            except Failure as failure:
-                fail(failure.title, failure.message, case)
+        schema = schemathesis.openapi.from_dict(doc, config=config)
+        report.seeds.append(run_seed)
+        return _collect(schema, report, token=token, admin=admin)
 
-        if seed is not None:
-            one = hypothesis.seed(seed)(one)
-        # Unsatisfiable: the negative mode of an operation with nothing to get wrong (no input).
-        with contextlib.suppress(hypothesis.errors.Unsatisfiable):
-            one()
-
-    from schemathesis import GenerationMode
-
-    runs = [
-        (operation, mode, token)
-        for operation in operations
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
-        for token in (
-            (None,)
-            if not is_admin(operation)
-            else (False, True)
-            if operation.label in WITH_TOKEN_SAFE.get(service, set())
-            else (False,)
-        )
-    ]
-    capped = examples_for or {}
-    share = -(-cases // max(1, len(runs)))
-    for round_ in range(3):
+    runs = [(False, sorted(labels)), (True, sorted(WITH_TOKEN_SAFE.get(service, set()) & set(labels)))]
+    runs = [(token, ops) for token, ops in runs if ops]
+    n = max(examples, math.ceil(cases / max(1, sum(len(ops) for _, ops in runs))))
+    round_seed = seed
+    for round_ in range(4):
+        phases = PHASES if round_ == 0 else ("fuzzing",)
         open_runs = []
-        for operation, mode, token in runs:
-            before = report.total
-            n = capped.get(operation.label, share)
-            run(operation, mode, token, n)
-            if report.total - before >= n and operation.label not in capped:
-                open_runs.append((operation, mode, token))
+        for token, operations in runs:
+            sent = run(token, operations, n, round_seed, phases)
+            took_all = [op for op in operations if op not in capped and sent[op] >= n]
+            if took_all:
+                open_runs.append((token, took_all))
         missing = cases - report.total
         if missing <= 0 or not open_runs:
             break
-        # Another round with new draws for the runs that could take more.
-        runs, share, seed = open_runs, -(-missing // len(open_runs)), (seed or 0) + round_ + 1
+        # Another round, new draws, for the operations that could take more.
+        runs, round_seed = open_runs, round_seed + 1
+        n = math.ceil(missing / sum(len(ops) for _, ops in open_runs))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _collect(schema: Any, report: FuzzReport, *, token: bool, admin: set[str]) -> Counter:
+    """Run schemathesis' engine on `schema` and add what it sent, saw and found to `report`."""
+    from schemathesis.engine import Status, events, from_schema
+
+    fuzzed: Counter = Counter()
+    for event in from_schema(schema).execute():
+        if isinstance(event, events.FatalError):
+            raise RuntimeError(f"schemathesis could not run: {event.exception!r}") from event.exception
+        if isinstance(event, events.NonFatalError):
+            report.failures.append(Problem(event.label, "error", str(event.info.message), ""))
+            continue
+        if not isinstance(event, events.ScenarioFinished):
+            continue
+        recorder = event.recorder
+        for case_id, n in recorder.filtered_failures.items():
+            if case_id in recorder.cases:
+                report.accepted[recorder.cases[case_id].value.operation.label] += n
+        for case_id, node in recorder.cases.items():
+            case = node.value
+            label = case.operation.label
+            phase = case.meta.phase.name.value if case.meta else "explicit"
+            mode = f" {case.meta.generation.mode.value}" if case.meta else ""
+            suffix = " +token" if token else (" -token" if label in admin else "")
+            phase_name = f"{phase}{mode}{suffix}"
+            report.cases[(label, phase_name)] += 1
+            if phase == "fuzzing":
+                fuzzed[label] += 1
+            interaction = recorder.interactions.get(case_id)
+            if interaction is None:
+                continue
+            if interaction.response is None:
+                report.failures.append(
+                    Problem(f"{label} ({phase_name})", "transport", "no response", case.as_curl_command())
+                )
+                continue
+            status = interaction.response.status_code
+            report.statuses[(label, status)] += 1
+            if not token and label in admin and 200 <= status < 300:
+                report.failures.append(
+                    Problem(
+                        f"{label} ({phase_name})",
+                        "admin_without_token",
+                        f"answered {status}",
+                        case.as_curl_command(),
+                    )
+                )
+            for check in recorder.checks.get(case_id, []):
+                if check.status == Status.FAILURE and check.failure_info is not None:
+                    failure = check.failure_info.failure
+                    report.failures.append(
+                        Problem(
+                            f"{label} ({phase_name})",
+                            check.name,
+                            f"{failure.title} (answered {status}): {failure.message}",
+                            check.failure_info.code_sample,
+                        )
+                    )
+    return fuzzed

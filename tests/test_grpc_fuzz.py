@@ -9,10 +9,14 @@ episode id running now, UNAVAILABLE for a down upstream), never UNKNOWN (an exce
 servicer), INTERNAL, or a deadline; an OK answer parses as the response type; and afterwards the
 process is alive, reports SERVING, and answers a known-good request.
 
+The processes are the fuzz stack (`devkit.fuzzstack`) that `tests/test_http_fuzz.py` fuzzes over
+HTTP too, started once for both (`tests/fixtures_fuzz.py`).
+
 Examples are derandomized (the same ones on every run, no example database). In `make test` each
-RPC gets 60-200 generated requests (`FEWER`, `GENERATED`) and 50 garbage payloads: ~40 s of calls
-plus the stack's start on 2 cores; `BCSTACK_FUZZ_DEPTH=10` runs 10x as many, and
-`bench/fuzz_grpc.py` runs the long version (random draws) with a report.
+RPC gets a handful of generated requests (`FEWER`, `GENERATED`) and of garbage payloads (`GARBAGE`):
+every RPC, every kind of input, a few seconds of calls on 2 cores; `BCSTACK_FUZZ_DEPTH=10` runs
+10x as many, and `bench/fuzz_grpc.py` runs the long version (2,000 + 500 per RPC, random draws)
+with a report.
 """
 
 from __future__ import annotations
@@ -21,9 +25,7 @@ import os
 from collections import Counter
 
 import pytest
-from conftest import find_free_port, link_toy_kit
 from hypothesis import HealthCheck, given, settings
-from stack_util import bcstack_processes
 
 from core.kit.grpc_server import sync_channel
 from devkit.grpcfuzz import (
@@ -35,7 +37,6 @@ from devkit.grpcfuzz import (
     known_good,
     message_strategy,
     parse_response,
-    stack_layout,
     world_hints,
 )
 
@@ -45,20 +46,20 @@ CALL_TIMEOUT_S = 60.0  # far above any fuzzed call's time on the embedded stack:
 # Generated examples per RPC at depth 1, fewer where one call costs more (~50 ms on 2 cores: an
 # episode runs the scripted engine and LLM end to end; a batch is several calls); ~10 ms otherwise.
 FEWER = {
-    "CoordinatorService.RunEpisode": 100,
-    "WorkerService.RunEpisode": 100,
-    "WorkerService.RunEpisodes": 60,
-    "JudgeService.BatchGradeAnswer": 100,
-    "JudgeService.BatchGradeContribution": 100,
-    "RetrievalService.BatchSearch": 100,
+    "CoordinatorService.RunEpisode": 10,
+    "WorkerService.RunEpisode": 10,
+    "WorkerService.RunEpisodes": 10,
+    "JudgeService.BatchGradeAnswer": 10,
+    "JudgeService.BatchGradeContribution": 10,
+    "RetrievalService.BatchSearch": 10,
 }
-GENERATED = 200
-GARBAGE = 50
+GENERATED = 20
+GARBAGE = 10
 RPCS = all_rpcs()
 
 
 def examples(base: int) -> int:
-    return max(10, int(base * FUZZ_DEPTH))
+    return max(1, int(base * FUZZ_DEPTH))
 
 
 def fuzz_settings(n: int):
@@ -76,25 +77,21 @@ def fuzz_settings(n: int):
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, toy_kit):
-    tmp = tmp_path_factory.mktemp("grpc-fuzz")
-    link_toy_kit(toy_kit, tmp)
-    layout = stack_layout(tmp, tmp, find_free_port)
-    with bcstack_processes([(p.args, p.health_url) for p in layout]) as procs:
-        # the services' own message limits (64 MiB), not grpc's 4 MiB default: a fuzzed answer may be large
-        channels = {p.grpc_target: sync_channel(p.grpc_target) for p in layout if p.grpc_target}
-        state = {
-            "hints": world_hints(tmp / "world"),
-            "world": toy_kit["world"],
-            "by_service": {
-                name: (p, proc, channels[p.grpc_target])
-                for p, proc in zip(layout, procs, strict=True)
-                for name in p.services
-            },
-        }
-        yield state
-        for channel in channels.values():
-            channel.close()
+def stack(fuzz_stack, toy_kit):
+    # the services' own message limits (64 MiB), not grpc's 4 MiB default: a fuzzed answer may be large
+    channels = {p.grpc_target: sync_channel(p.grpc_target) for p in fuzz_stack.layout if p.grpc_target}
+    state = {
+        "hints": world_hints(toy_kit["dir"] / "world"),
+        "world": toy_kit["world"],
+        "by_service": {
+            name: (spec, proc, channels[spec.grpc_target])
+            for spec, proc in zip(fuzz_stack.layout, fuzz_stack.processes, strict=True)
+            for name in spec.grpc_services
+        },
+    }
+    yield state
+    for channel in channels.values():
+        channel.close()
 
 
 def still_serving(stack, rpc: Rpc) -> None:
@@ -105,7 +102,9 @@ def still_serving(stack, rpc: Rpc) -> None:
 
 def check(stack, rpc: Rpc, payload: bytes, codes: Counter) -> None:
     if rpc.service not in stack["by_service"]:
-        raise AssertionError(f"no process of the fuzz stack serves {rpc.service}: add it to stack_layout")
+        raise AssertionError(
+            f"no process of the fuzz stack serves {rpc.service}: add it to devkit.fuzzstack.stack_layout"
+        )
     _, _, channel = stack["by_service"][rpc.service]
     outcome = call(channel, rpc, payload, timeout=CALL_TIMEOUT_S)
     codes[outcome.code.name] += 1

@@ -282,10 +282,10 @@ def _symlink_escape(stack) -> str:
         (_missing_tensor, 422, "missing tensor model.norm.weight"),
         (_wrong_shape, 422, "model.norm.weight has shape"),
         (_wrong_vocab, 422, "vocab"),
-        (_dotdot, 400, "not inside the checkpoint root"),
-        (_absolute_outside, 400, "not inside the checkpoint root"),
-        (_symlink_escape, 400, "not inside the checkpoint root"),
-        (lambda stack: "does_not_exist", 422, "not a folder"),
+        (_dotdot, 403, "not inside the checkpoint root"),
+        (_absolute_outside, 403, "not inside the checkpoint root"),
+        (_symlink_escape, 403, "not inside the checkpoint root"),
+        (lambda stack: "does_not_exist", 404, "not a folder"),
     ],
     ids=[
         "wrong-hash",
@@ -401,10 +401,17 @@ def test_checkpoint_paths_resolve_inside_the_root_only(tmp_path):
     (root / "x").mkdir(parents=True)
     assert resolve_checkpoint(root, "x") == (root / "x").resolve()
     assert resolve_checkpoint(root, str(root / "x")) == (root / "x").resolve()
-    for bad in ("..", "../root2", "x/../..", ".", str(tmp_path), ""):
+    for bad in ("..", "../root2", "x/../..", ".", str(tmp_path)):
         with pytest.raises(ReloadRefused) as err:
             resolve_checkpoint(root, bad)
-        assert err.value.status == 400
+        assert err.value.status == 403
+    for missing in ("y", str(root / "y")):
+        with pytest.raises(ReloadRefused) as err:
+            resolve_checkpoint(root, missing)
+        assert err.value.status == 404
+    with pytest.raises(ReloadRefused) as err:
+        resolve_checkpoint(root, "")
+    assert err.value.status == 400
 
 
 def test_reload_without_a_checkpoint_root_is_disabled(tmp_path):

@@ -13,15 +13,17 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel
+from pydantic import BaseModel, BeforeValidator
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core import __version__
@@ -49,6 +51,7 @@ def create_app(
     - GET /metrics -> `registry` (a new one when None; kept on `app.state.registry`).
     - Request bodies above `settings.max_request_bytes` get 413.
     - Validation errors get 422 `{"detail": [{"loc", "msg", "type"}]}`, without echoing input.
+    - A method the path does not serve gets 405 with `Allow` naming every method it does serve.
     - `app.state` holds service_name, settings, registry and admin_token (for `require_admin`).
     Extra keyword arguments (lifespan, title, ...) go to FastAPI.
     """
@@ -64,6 +67,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_body_size=settings.max_request_bytes)
     app.add_middleware(PrometheusMiddleware, service=service_name, registry=registry)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(405, _method_not_allowed)
     app.add_exception_handler(Exception, _internal_error)
 
     @app.get("/health", include_in_schema=False)
@@ -117,6 +121,28 @@ def _document_kit_responses(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _json_integer(value: Any) -> Any:
+    if isinstance(value, bool | str | bytes):
+        raise ValueError("must be an integer")
+    return value
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, bool | str | bytes):
+        raise ValueError("must be a number")
+    return value
+
+
+# The JSON types as JSON Schema (and so the OpenAPI document) defines them: an integer is 3 or
+# 3.0, a number 3 or 0.5, never true or "3", which pydantic's lax int and float take (its strict
+# int refuses 3.0). Bounds on an optional one go before the validator, or its schema loses them:
+# `Annotated[int, Ge(1), JSON_INTEGER] | None`. A boolean is pydantic's StrictBool.
+JSON_INTEGER = BeforeValidator(_json_integer)
+JSON_NUMBER = BeforeValidator(_json_number)
+JsonInt = Annotated[int, JSON_INTEGER]
+JsonFloat = Annotated[float, JSON_NUMBER]
 
 
 class KitDetail(BaseModel):
@@ -226,6 +252,23 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         for err in exc.errors()
     ]
     return JSONResponse({"detail": detail}, status_code=422)
+
+
+def allowed_methods(app: Any, scope: Scope) -> set[str]:
+    """The methods of every route whose path matches the request's (what a 405's `Allow` lists)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, Route) and route.methods and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    return methods
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette's 405 names the methods of the first route on the path only; a path served by one
+    # route per method (GET and POST /flush_cache) must name them all (RFC 9110, 15.5.6).
+    detail = exc.detail if isinstance(exc, StarletteHTTPException) else "Method Not Allowed"
+    allow = ", ".join(sorted(allowed_methods(request.app, request.scope)))
+    return JSONResponse({"detail": detail}, status_code=405, headers={"Allow": allow})
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -39,9 +39,12 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from annotated_types import Ge, Interval
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+
+from core.kit.http import JSON_INTEGER, JSON_NUMBER, JsonInt
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 FinishReason = Literal["stop", "length"]
@@ -100,11 +103,24 @@ def truncate_tokens(text: str, max_tokens: int) -> tuple[str, bool]:
 # --- requests ------------------------------------------------------------------------------------
 
 
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+_TEXT_PARTS = {"type": "array", "items": _TEXT_PART}
+_STRINGS = {"type": "array", "items": {"type": "string"}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Role
-    content: Any = None
+    content: Any = Field(
+        None,
+        description="text, or text parts (the coordinator reads no other part)",
+        json_schema_extra={"anyOf": [{"type": "string"}, _TEXT_PARTS, {"type": "null"}]},
+    )
 
     @field_validator("content")
     @classmethod
@@ -119,25 +135,27 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatCompletionRequest(BaseModel):
+    """The fields the server reads, with JSON's types (`core.kit.http.JsonInt`: no true for 1)."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage]
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stream: bool | None = False
+    temperature: Annotated[float, Interval(ge=0.0, le=2.0), JSON_NUMBER] | None = None
+    top_p: Annotated[float, Interval(ge=0.0, le=1.0), JSON_NUMBER] | None = None
+    max_tokens: Annotated[int, Ge(1), JSON_INTEGER] | None = None
+    max_completion_tokens: Annotated[int, Ge(1), JSON_INTEGER] | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    stop: Any = None
-    seed: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
+    n: JsonInt | None = 1
+    stop: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, _STRINGS, {"type": "null"}]})
+    seed: JsonInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: JsonInt | None = None
 
     @field_validator("stop")
     @classmethod

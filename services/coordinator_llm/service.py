@@ -39,6 +39,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, RootModel
@@ -120,10 +121,17 @@ CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _chat_body(model: str) -> dict[str, Any]:
-    """The chat completion body as documented: `model` is the one model served (another is 404)."""
+    """The chat completion body as documented: `model` is the one model served (another is 404),
+    and the values `parse_chat_request` refuses with a 400 of OpenAI's wording are left out: no
+    messages, n other than 1, logprobs."""
     extra = json_body(proto.ChatCompletionRequest)
     schema = extra["requestBody"]["content"]["application/json"]["schema"]
-    schema["properties"]["model"]["enum"] = [model]
+    props = schema["properties"]
+    props["model"]["enum"] = [model]
+    props["messages"]["minItems"] = 1
+    props["n"] = {"anyOf": [{"const": 1}, {"type": "null"}], "default": 1, "description": "one choice only"}
+    props["logprobs"] = {"anyOf": [{"const": False}, {"type": "null"}], "default": False}
+    props["top_logprobs"] = {"anyOf": [{"const": 0}, {"type": "null"}], "default": None}
     return extra
 
 
@@ -353,11 +361,12 @@ def build_app(
             )
         return proto.model_card(model, created)
 
-    @app.api_route(
-        "/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
-    )
-    async def unknown_route(request: Request, path: str) -> Any:
-        # OpenAI's answer to a route it does not have (and to a wrong method on one it has).
+    @app.exception_handler(404)
+    async def unknown_route(request: Request, exc: Exception) -> Any:
+        # OpenAI's answer to a /v1 route it does not have. A method a route does not take is the
+        # kit's 405 with `Allow`, as vLLM's (FastAPI) server answers it.
+        if not request.url.path.startswith("/v1/"):
+            return await http_exception_handler(request, exc)
         return _error_response(
             proto.RequestError(f"Invalid URL ({request.method} {request.url.path})", status=404)
         )

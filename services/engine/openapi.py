@@ -13,44 +13,78 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.kit.http import json_body
 
+NonEmpty = Annotated[str, Field(min_length=1)]
+
 
 class SamplingParamsBody(BaseModel):
-    """The sampling parameters the CPU engine implements (SGLang's names and defaults)."""
+    """The sampling parameters the CPU engine implements (SGLang's names and defaults); any other
+    name is refused, as SGLang's constructor refuses it."""
 
-    max_new_tokens: int | None = Field(128, ge=0)
-    min_new_tokens: int | None = Field(0, ge=0)
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(
+        128, ge=0, description="with the prompt, below the context length (a 400 otherwise)"
+    )
+    min_new_tokens: int | None = Field(0, ge=0, description="at most max_new_tokens")
     temperature: float | None = Field(1.0, ge=0)
     top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(-1, ge=-1, description="-1 = the whole vocabulary; 0 is refused")
+    top_k: int | None = Field(
+        -1,
+        ge=-1,
+        description="-1 = the whole vocabulary; 0 is refused",
+        json_schema_extra={"not": {"const": 0}},
+    )
     min_p: float | None = Field(0.0, ge=0, le=1)
-    stop: str | list[str] | None = None
+    stop: NonEmpty | list[NonEmpty] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     no_stop_trim: bool | None = False
     sampling_seed: int | None = None
+    # Accepted and ignored: they only shape how text is streamed or spaced.
+    spaces_between_special_tokens: Any = Field(None, description="accepted and ignored")
+    stream_interval: Any = Field(None, description="accepted and ignored")
+    # SGLang's, accepted at their neutral value only (`protocol._NEUTRAL_SAMPLING`).
+    frequency_penalty: Literal[0] | None = None
+    presence_penalty: Literal[0] | None = None
+    repetition_penalty: Literal[1] | None = None
+    n: Literal[1] | None = None
+    json_schema: None = None
+    regex: None = None
+    ebnf: None = None
+    structural_tag: None = None
+    stop_regex: None = None
+    logit_bias: None = None
+    custom_params: None = None
+
+
+def _given(name: str, kind: str) -> dict[str, Any]:
+    """JSON Schema for "`name` is there and not null" (SGLang reads a null prompt field as absent)."""
+    return {"required": [name], "properties": {name: {"type": kind}}}
 
 
 class GenerateBody(BaseModel):
-    """One prompt: `text` or `input_ids` (exactly one)."""
+    """One prompt: `text` or `input_ids` (exactly one; the other absent or null)."""
 
     model_config = ConfigDict(
         extra="allow",
         json_schema_extra={
             "oneOf": [
-                {"required": ["text"], "not": {"required": ["input_ids"]}},
-                {"required": ["input_ids"], "not": {"required": ["text"]}},
+                {**_given("text", "string"), "not": _given("input_ids", "array")},
+                {**_given("input_ids", "array"), "not": _given("text", "string")},
             ]
         },
     )
 
-    text: str = Field(None, description="the prompt")  # type: ignore[assignment] - a default, never null
-    input_ids: list[Annotated[int, Field(ge=0)]] = Field(  # type: ignore[assignment]
+    text: str | None = Field(None, min_length=1, description="the prompt")
+    input_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, min_length=1, description="token ids, each >= 0 and below the vocab size"
     )
     sampling_params: SamplingParamsBody | None = None
     return_logprob: bool | None = False
-    logprob_start_len: int | None = Field(-1, ge=-1)
+    logprob_start_len: int | None = Field(
+        -1, ge=-1, description="with return_logprob: below the prompt length"
+    )
     return_text_in_logprobs: bool | None = False
     stream: bool | None = Field(False, description="server-sent events, then `data: [DONE]`")
     rid: str | None = None
@@ -157,3 +191,21 @@ HEALTH_GENERATE = {
     }
 }
 WEIGHT_VERSION = {"responses": {200: {"model": WeightVersion}}}
+
+
+def document_model_limits(schema: dict[str, Any], *, vocab_size: int, context_length: int) -> None:
+    """Write the loaded model's limits into the `/generate` bodies of `schema` (the OpenAPI
+    document), so that it says what `protocol.check_vocab` and `check_length` refuse: token ids
+    below the vocab size, a prompt below the context length and, since a prompt has a token at
+    least, max_new_tokens below the context length minus one. Limits on two fields together (the
+    prompt with max_new_tokens, logprob_start_len with the prompt) no JSON Schema states."""
+    for method in ("post", "put"):
+        body = schema["paths"]["/generate"][method]["requestBody"]["content"]["application/json"]["schema"]
+        props = body["properties"]
+        ids = next(s for s in props["input_ids"]["anyOf"] if s.get("type") == "array")
+        ids["items"]["maximum"] = vocab_size - 1
+        ids["maxItems"] = context_length - 1
+        sampling = next(s for s in props["sampling_params"]["anyOf"] if s.get("type") == "object")
+        for name in ("max_new_tokens", "min_new_tokens"):
+            integer = next(s for s in sampling["properties"][name]["anyOf"] if s.get("type") == "integer")
+            integer["maximum"] = context_length - 2

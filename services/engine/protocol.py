@@ -129,6 +129,9 @@ class GenerateRequest:
 
 
 def _is_int(value: Any) -> bool:
+    """An integer as JSON (and the OpenAPI document) means it: 3 or 3.0, never true."""
+    if isinstance(value, float):
+        return value.is_integer()
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -151,7 +154,7 @@ def _int(raw: Mapping[str, Any], key: str, default: int) -> int:
         return default
     if not _is_int(value):
         raise RequestError(f"{key} must be an integer, got {value!r}.")
-    return value
+    return int(value)
 
 
 def _float(raw: Mapping[str, Any], key: str, default: float) -> float:
@@ -179,7 +182,8 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
         if key in _SUPPORTED_SAMPLING:
             continue
         if key in _NEUTRAL_SAMPLING:
-            if value is not None and value != _NEUTRAL_SAMPLING[key]:
+            # false == 0 in Python, not in JSON: a boolean is no penalty of 0
+            if value is not None and (isinstance(value, bool) or value != _NEUTRAL_SAMPLING[key]):
                 raise RequestError(f"sampling_params.{key} is not supported by the CPU engine.")
             continue
         raise RequestError(f"Unknown sampling parameter {key!r}.")
@@ -223,14 +227,15 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
     ids_raw = raw.get("stop_token_ids")
     if ids_raw is None:
         stop_token_ids: frozenset[int] = frozenset()
-    elif isinstance(ids_raw, list) and all(_is_int(t) or t is None for t in ids_raw):
-        stop_token_ids = frozenset(t for t in ids_raw if t is not None)
+    elif isinstance(ids_raw, list) and all(_is_int(t) for t in ids_raw):
+        stop_token_ids = frozenset(int(t) for t in ids_raw)
     else:
         raise RequestError("stop_token_ids must be a list of integers.")
 
     seed = raw.get("sampling_seed")
     if seed is not None and not _is_int(seed):
         raise RequestError(f"sampling_seed must be an integer, got {seed!r}.")
+    seed = None if seed is None else int(seed)
 
     return SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -275,7 +280,7 @@ def parse_generate_request(body: Any) -> GenerateRequest:
             raise RequestError("input_ids cannot be empty.")
         if any(t < 0 for t in input_ids):
             raise RequestError("input_ids must not be negative.")
-        ids = tuple(input_ids)
+        ids = tuple(int(t) for t in input_ids)
 
     rid = body.get("rid")
     if rid is None:

@@ -90,6 +90,20 @@ def build_http_app(
 
     app = create_app(SERVICE, settings, registry, health_check=core.health, lifespan=lifespan)
     metrics = core.metrics
+    kit_openapi, limited = app.openapi, False
+
+    def openapi() -> dict[str, Any]:
+        # The model's limits, once it is loaded (the port opens before: /health says "starting").
+        nonlocal limited
+        schema = kit_openapi()
+        if not limited and core.model is not None:
+            doc.document_model_limits(
+                schema, vocab_size=core.model.vocab_size, context_length=core.context_length
+            )
+            limited = True
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     async def require_api_key(request: Request) -> None:
         """SGLang's --api-key: every route but /health*, /metrics needs it when it is set."""
@@ -150,7 +164,8 @@ def build_http_app(
             body = await _json_body(request, empty_ok=True)
             if not isinstance(body, dict):
                 raise proto.RequestError("The request body must be a JSON object.")
-            rid, abort_all = body.get("rid"), body.get("abort_all", False)
+            rid, abort_all = body.get("rid"), body.get("abort_all")
+            abort_all = False if abort_all is None else abort_all  # null means the default, as in SGLang
             if rid is not None and not isinstance(rid, str):
                 raise proto.RequestError("rid must be a string.")
             if not isinstance(abort_all, bool):

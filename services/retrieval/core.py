@@ -43,6 +43,10 @@ STAGE_BUCKETS = (
 )  # fmt: skip
 
 
+MAX_DOCID_CHARS = 512
+MAX_URL_CHARS = 4096
+
+
 class InvalidRequest(ValueError):
     """A request the caller got wrong: HTTP 400 / INVALID_ARGUMENT."""
 
@@ -266,14 +270,15 @@ class SearchCore:
 
     # -- open_page ------------------------------------------------------------------------------
     async def open(self, docid: str | None, url: str | None, transport: str = "http") -> Doc:
+        # The lengths as sent (what the OpenAPI document's maxLength means), then the stripped values.
+        if len(docid or "") > MAX_DOCID_CHARS or len(url or "") > MAX_URL_CHARS:
+            self.metrics.opens.labels(transport, "invalid").inc()
+            raise InvalidRequest("docid or url too long")
         docid = (docid or "").strip() or None
         url = (url or "").strip() or None
         if not docid and not url:
             self.metrics.opens.labels(transport, "invalid").inc()
             raise InvalidRequest("give a docid or a url")
-        if (docid and len(docid) > 512) or (url and len(url) > 4096):
-            self.metrics.opens.labels(transport, "invalid").inc()
-            raise InvalidRequest("docid or url too long")
         try:
             doc = await self._guarded(
                 "docstore",

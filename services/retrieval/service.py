@@ -17,19 +17,22 @@ lexical ranking and mode dense is a 400 / INVALID_ARGUMENT (see core.py for why 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
+from annotated_types import Interval
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from core.kit.grpc_server import GrpcServer
-from core.kit.http import create_app
+from core.kit.http import JsonInt, create_app
 from core.kit.metrics import new_registry
 from core.v1 import retrieval_pb2, retrieval_pb2_grpc
 from services.retrieval.core import (
+    MAX_DOCID_CHARS,
+    MAX_URL_CHARS,
     MODES,
     Hit,
     InvalidRequest,
@@ -54,30 +57,66 @@ _MODES = {
 
 
 # The limits below are documented (`json_schema_extra`), not enforced by validation: the core
-# checks them against its settings (max_k <= 1000, max_query_chars) and answers 400 with its own
-# message, on HTTP and gRPC alike.
+# checks them against its settings and answers 400 with its own message, on HTTP and gRPC alike.
+# `k` and the query's length are the settings' (`document_settings_limits` writes them in).
 def _limits(**schema: Any) -> dict[str, Any]:
     return {"json_schema_extra": schema}
 
 
+NON_BLANK = r"\S"  # the core strips a query, docid or url: whitespace alone is none
+
+
 class SearchBody(BaseModel):
-    query: str = Field(description="a non-blank query of at most max_query_chars", **_limits(minLength=1))
-    k: int = Field(10, description="at most max_k", **_limits(minimum=1, maximum=1000))
+    query: str = Field(
+        description="a non-blank query of at most max_query_chars", **_limits(minLength=1, pattern=NON_BLANK)
+    )
+    k: JsonInt = Field(10, description="at most max_k", **_limits(minimum=1, maximum=1000))
+
+
+# An integer docid is looked up as its decimal text; past 2**63 no corpus has one (404 either way).
+IntDocid = Annotated[JsonInt, Interval(ge=0, lt=2**63)]
 
 
 class OpenBody(BaseModel):
-    docid: str | int | None = Field(None, description="a docid or a url: one of the two")
-    url: str | None = None
+    """A docid, or else a url: the first that is not blank names the page; each within its length."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {
+                    "required": ["docid"],
+                    "properties": {
+                        "docid": {"anyOf": [{"type": "string", "pattern": NON_BLANK}, {"type": "integer"}]}
+                    },
+                },
+                {"required": ["url"], "properties": {"url": {"type": "string", "pattern": NON_BLANK}}},
+            ]
+        }
+    )
+
+    docid: Annotated[str, Field(max_length=MAX_DOCID_CHARS)] | IntDocid | None = Field(
+        None, description="a docid or a url: one of the two"
+    )
+    url: str | None = Field(None, max_length=MAX_URL_CHARS)
 
 
 class SearchV1Body(SearchBody):
     mode: str = Field("hybrid", **_limits(enum=list(MODES)))
-    window: int | None = Field(
+    window: JsonInt | None = Field(
         None, description="candidates per retriever", **_limits(minimum=1, maximum=1000)
     )
-    snippet_words: int | None = Field(
+    snippet_words: JsonInt | None = Field(
         None, description="words of text per hit; 0 = full text", **_limits(minimum=0)
     )
+
+
+def document_settings_limits(schema: dict[str, Any], settings: RetrievalSettings) -> None:
+    """The limits of these settings in the OpenAPI document: `k` up to max_k, a query of at most
+    max_query_chars characters."""
+    for name in ("SearchBody", "SearchV1Body"):
+        props = schema["components"]["schemas"][name]["properties"]
+        props["k"]["maximum"] = settings.max_k
+        props["query"]["maxLength"] = settings.max_query_chars
 
 
 class Detail(BaseModel):
@@ -145,6 +184,14 @@ def _hit_v1(h: Hit) -> dict[str, Any]:
 
 def build_http_app(core: SearchCore, settings: RetrievalSettings, registry: CollectorRegistry) -> FastAPI:
     app = create_app(SERVICE, settings, registry, health_check=core.health)
+    kit_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = kit_openapi()
+        document_settings_limits(schema, settings)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     async def run_search(q: SearchQuery) -> SearchResult | JSONResponse:
         try:

@@ -82,8 +82,12 @@ def resolve_checkpoint(root: Path, checkpoint: str) -> Path:
         real = (candidate if candidate.is_absolute() else real_root / candidate).resolve()
     except (ValueError, OSError) as e:  # a NUL byte, a lone surrogate, a name the OS refuses
         raise ReloadRefused(400, f"checkpoint {checkpoint!r} is not a usable path ({e})") from None
+    # 403 and 404, not 400: which paths these are depends on the server's folders, which no
+    # request schema can know (a fuzzer's schema-valid path is refused as a client's would be).
     if real == real_root or not real.is_relative_to(real_root):
-        raise ReloadRefused(400, f"checkpoint {checkpoint!r} is not inside the checkpoint root {real_root}")
+        raise ReloadRefused(403, f"checkpoint {checkpoint!r} is not inside the checkpoint root {real_root}")
+    if not real.is_dir():
+        raise ReloadRefused(404, f"checkpoint {checkpoint!r} is not a folder in the checkpoint root")
     return real
 
 

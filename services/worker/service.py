@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
 from fastapi import Depends, FastAPI
@@ -253,9 +253,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 task.cancel()
 
 
+# Not blank, no NUL byte (no path holds one): what `reload.resolve_checkpoint` takes as a path.
+PATH_TEXT = r"^[^\x00]*[^\s\x00][^\x00]*$"
+
+
 class ReloadRequest(BaseModel):
-    checkpoint: str = Field(description="folder relative to checkpoint_root, or an absolute path inside it")
-    weight_version: str | None = Field(None, description="version the engine reports; default: folder name")
+    checkpoint: str = Field(
+        description="folder relative to checkpoint_root, or an absolute path inside it", pattern=PATH_TEXT
+    )
+    weight_version: Annotated[str, Field(pattern=r"\S")] | None = Field(
+        None, description="version the engine reports; default: folder name"
+    )
     canary_step: CanaryStep | None = Field(
         None, description="set by `bcstack worker reload --canary`: counted per step in metrics"
     )
@@ -315,14 +323,16 @@ def _refused(description: str) -> dict[str, Any]:
 RELOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": ReloadDone},
     400: {
-        "description": "no checkpoint folder inside the checkpoint root, an empty weight_version, "
+        "description": "a blank checkpoint or one no path can be (a NUL byte), an empty weight_version, "
         "or a body that cannot be parsed",
         "model": RootModel[ReloadFailed | KitDetail],
     },
     403: {
-        "description": "reload disabled (no checkpoint_root), or the admin token is wrong or unset",
+        "description": "reload disabled (no checkpoint_root), a checkpoint outside the checkpoint root, "
+        "or the admin token is wrong or unset",
         "model": RootModel[ReloadFailed | KitDetail],
     },
+    404: _refused("no folder of that name in the checkpoint root"),
     409: _refused("a reload is already running"),
     422: {
         "description": "the checkpoint failed verification, or the body is not a reload request",
