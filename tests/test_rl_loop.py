@@ -246,7 +246,9 @@ def test_one_update_on_the_judges_grades_of_the_workers_answers_raises_a_correct
     assert len(records) == 4
     for record in records:
         (worker,) = record.workers
-        assert record.answer == worker.report.answer and worker.trajectory is not None, record.episode_id
+        assert worker.trajectory is not None, record.episode_id
+        if worker.report.answer:  # a worker out of turns reports none (the structure is rarely missed)
+            assert record.answer == worker.report.answer, record.episode_id
     grades = [rule_grades(r).reward for r in records]
     assert m["reward_mean"] == pytest.approx(sum(grades) / len(grades))
     assert 0 < m["reward_mean"] < 1 and m["zero_variance_groups"] == 0
