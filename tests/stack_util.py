@@ -1,20 +1,24 @@
 """Real `bcstack` processes for end-to-end tests: start one, wait until healthy, stop it.
 
     with bcstack_process(["serve", "worker", ...], "http://127.0.0.1:PORT/health") as proc: ...
+    done = bcstack_forked(["train", "rl", ...])  # a subprocess.CompletedProcess
 
 Output goes to a temporary log file (a pipe nobody reads would fill and block a chatty server);
-when the process dies before it is healthy the assertion quotes the log.
+when the process dies before it is healthy the assertion quotes the log. `bcstack_forked` runs a
+command as a new process forked from one that has already imported it (see there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -120,3 +124,77 @@ def retrieval_spec(index_dir: Path, http: int, grpc_port: int) -> tuple[list[str
         str(grpc_port),
     ]
     return args, f"http://127.0.0.1:{http}/health"
+
+
+# --- commands forked from an interpreter that has imported them ----------------------------------
+
+# `bcstack train rl` spends ~8 s of CPU importing torch, transformers and torch.distributed before
+# it reads its first option. Forked from multiprocessing's forkserver, which imports these once,
+# each command is still a process of its own (its pid, exit status, SIGKILL, files left behind)
+# that starts in milliseconds. The forkserver imports but never computes, so a child starts with
+# no torch thread pool or tokenizer threads to inherit.
+FORK_PRELOAD = ("stack_util", "bcstack.cli", "bcstack.rl.loop", "transformers.models.qwen3.modeling_qwen3")
+
+
+def _forkserver() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(FORK_PRELOAD))
+    return context
+
+
+def warm_forkserver() -> None:
+    """Start the forkserver's imports now (they run beside whatever the caller does next)."""
+    _forkserver()
+    multiprocessing.forkserver.ensure_running()
+
+
+def _bcstack_main(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:
+        # OpenMP read the variable when the forkserver loaded torch; a new process would read it now.
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = ["bcstack", *args]
+    from bcstack.cli import main
+
+    main()
+
+
+class ForkedBcstack:
+    """`bcstack ARGS` forked from the forkserver; `env` is added to the environment."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.args = ["bcstack", *args]
+        folder = Path(tempfile.mkdtemp(prefix="bcstack-fork-"))
+        self._out, self._err = folder / "stdout", folder / "stderr"
+        given = (list(args), dict(env or {}), str(self._out), str(self._err))
+        self.proc = _forkserver().Process(target=_bcstack_main, args=given, daemon=True)
+        self.proc.start()
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        """Its exit status (negative: killed by that signal) and output, as `subprocess.run` gives them."""
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            self.kill()
+            raise subprocess.TimeoutExpired(self.args, timeout, self._out.read_text(), self._err.read_text())
+        out, err = self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
+        for path in (self._out, self._err):
+            path.unlink(missing_ok=True)
+        self._out.parent.rmdir()
+        return subprocess.CompletedProcess(self.args, self.proc.exitcode, out, err)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+
+def bcstack_forked(
+    args: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """Run `bcstack ARGS` to its end as a forked process (see `ForkedBcstack`)."""
+    return ForkedBcstack(args, env).wait(timeout)

@@ -1,22 +1,29 @@
-"""`bcstack train rl` end to end on the CPU: a `bcstack up` stack with the untrained tiny model and
-the rule judge, three updates synchronous and asynchronous, judge faults, and kill -9 at each phase
-followed by --resume.
+"""`bcstack train rl` end to end on the CPU: a `bcstack up` stack whose worker is the tiny model
+SFT'd on one expert episode, with the stack's own scripted coordinator (it finishes with what its
+worker reported) and rule judge; one update raises a correct trajectory the run never saw, two
+updates synchronous and asynchronous (under torchrun at tp=2), judge faults, time limits, kill -9 at
+each phase followed by --resume, and a worker replica that dies.
 
-An untrained worker never answers, so every episode of a group would end alike and every group
-would have zero reward variance. The coordinator LLM is therefore swapped at runtime (the gateway's
-`PUT /admin/coordinator`) for a stand-in speaking the OpenAI API: it branches once, then finishes
-with the gold answer on a question's odd-numbered episodes and a wrong one on the even ones, so each
-group of two has one reward of 1 and one of 0 and the worker trajectories get real advantages.
-For the fault test a second judge grades with an LLM grader stand-in that returns garbage."""
+The worker is SFT'd (80 steps) on two copies of one expert episode that differ only in the answer
+they finish with: the gold one and another city of the world. Sampled at temperature 1 (the
+worker's default) it follows the episode and writes either answer about half the time, so each
+reward is the judge's verdict on the answer the worker itself wrote, and a group of a few episodes
+usually holds both. The untrained tiny model never answers: every group would end alike.
+
+Every `bcstack train rl` but the torchrun one is forked from a process that has imported it
+(`stack_util.bcstack_forked`): a process of its own, exit status and SIGKILL included, without the
+~8 s of imports each. For the fault test a second judge grades with an LLM grader stand-in that
+returns garbage for one of the run's two questions."""
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +33,10 @@ import torch
 import uvicorn
 from conftest import find_free_port, wait_until
 from fake_openai import Reply, ScriptedLLM, completion, serving_uvicorn
-from stack_util import bcstack_process
+from stack_util import ForkedBcstack, bcstack_forked, bcstack_process, warm_forkserver
 
-from bcstack.stack import down, up
+from bcstack.stack import down, setting_flags, up
+from core.records import EpisodeRecord
 from trainer.checkpoint import load_model_state
 
 REQUIRED = (
@@ -45,122 +53,142 @@ REQUIRED = (
     "train_tokens_per_s",
     "reload_seconds",
 )
-# Small on purpose: 2 groups x 2 episodes per update, one branch per question, 2-turn workers.
-SMALL = [
-    "--groups", "2", "--group-size", "2", "--worker-max-tokens", "640", "--worker-max-turns", "2",
-    "--max-branches", "1", "--judge-attempts", "2",
+# Short observations keep the trajectories (~1,000 tokens) and so the training short; the expert
+# stack and the RL stack use the same settings, so the SFT'd worker sees its training context again.
+SETTINGS = {
+    "snippet_words": "12", "page_words": "40", "max_topk": "3", "reflection_nudge": "false",
+    "max_new_tokens_per_turn": "160", "max_turns": "4",
+}  # fmt: skip
+# The expert episode takes 3 turns and ~1,000 tokens; one branch per question.
+BUDGET = [
+    "--worker-max-tokens", "1400", "--worker-max-turns", "4", "--max-branches", "1", "--judge-attempts", "2",
 ]  # fmt: skip
+SMALL = ["--groups", "2", "--group-size", "2", *BUDGET]  # 2 groups x 2 episodes per update
+SFT_STEPS = 80
+# Torch on one thread per process: the trainer runs beside the engine (and, under `make test
+# PYTEST_WORKERS=2`, another module's processes) on two cores, where OpenMP's two threads spin at
+# their barriers waiting for a core; measured here beside other load, 40 SFT steps took 12-47 s on
+# two threads and 7-9 s on one.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-def coordinator_turn(request: dict[str, Any], golds: dict[str, str], seen: dict[str, int]) -> Reply:
-    """Branch once; then finish, right on a question's odd-numbered episodes and wrong on the others."""
-    messages = request["messages"]
-    question = next(m["content"] for m in messages if m["role"] == "user")
-    if not any("[Worker Report]" in m["content"] for m in messages if m["role"] == "user"):
-        return Reply(body=completion(
-            "<function=branch>\n<parameter=description>Answer the question</parameter>\n"
-            f"<parameter=prompt>{question}</parameter>\n</function>"
-        ))  # fmt: skip
-    gold = next((a for q, a in golds.items() if q in question), "unknown")
-    n = seen[question] = seen.get(question, 0) + 1
-    answer = gold if n % 2 else "certainly not " + gold
-    return Reply(body=completion(
-        f"<function=finish>\n<parameter=answer>{answer}</parameter>\n"
-        "<parameter=explanation>The worker says so [1].</parameter>\n"
-        "<parameter=confidence>50%</parameter>\n</function>"
-    ))  # fmt: skip
+def quiet(_line: str) -> None:
+    pass
 
 
-def garbage_grader(request: dict[str, Any]) -> Reply:
-    """A grader LLM that answers a third of the prompts (by a hash) with something unparseable."""
-    prompt = request["messages"][-1]["content"]
-    if int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 3 == 0:
-        return Reply(body=completion("I cannot decide."))
-    if "correct:" in prompt:
-        return Reply(body=completion("extracted_final_answer: x\nreasoning: r\ncorrect: no\nconfidence: 50"))
-    return Reply(body=completion("contribution: partial\nreasoning: it searched"))
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """This process's torch on one thread for a while (ONE_THREAD's reason)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def fixed_trajectories(record: dict[str, Any], wrong: str, tokenizer_dir: Path) -> dict[str, dict[str, list]]:
+    """{"right", "wrong"}: the expert worker's token ids and loss mask, and the same with its final
+    turn answering `wrong` instead of the gold answer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    trajectory = record["workers"][0]["trajectory"]
+    ids, mask = trajectory["token_ids"], trajectory["loss_mask"]
+    start = trajectory["turns"][-1]["gen_start"]
+    final = tokenizer.decode(ids[start:])
+    gold = f"<parameter=answer>{record['gold_answer']}</parameter>"
+    assert final.count(gold) == 1, final
+    changed = final.replace(gold, f"<parameter=answer>{wrong}</parameter>")
+    changed = tokenizer.encode(changed, add_special_tokens=False)
+    return {
+        "right": {"token_ids": ids, "loss_mask": mask},
+        "wrong": {"token_ids": ids[:start] + changed, "loss_mask": mask[:start] + [1] * len(changed)},
+    }
 
 
 @pytest.fixture(scope="module")
 def rl_stack(tmp_path_factory):
+    """The world, one expert episode through an expert stack, the SFT, then the stack the RL runs use."""
+    from trainer.sft import SFTConfig, train_sft
+    from trainer.sft_data import SFTSample, SourceSpec, build_mixture
+
+    warm_forkserver()  # its imports run while the stacks start
     root = tmp_path_factory.mktemp("rl")
+    records = root / "expert" / "records.sqlite"
+    expert = up(
+        root / "expert", worker="expert", docs=400, questions_per_tier=3, train_questions=(0, 0),
+        dense="none", worker_settings=SETTINGS, records=records, timeout=120, say=quiet,
+    )  # fmt: skip
+    assets = {name: Path(expert["assets"][name]) for name in ("world", "tiny", "index")}
+    questions = [json.loads(line) for line in (assets["world"] / "questions.jsonl").read_text().splitlines()]
+    # An easy question with a city for an answer, and another city of the world as the wrong one.
+    train = next(q for q in questions if q["data_source"] == "bc_test_easy" and q["answer"].isalpha())
+    wrong = next(a for a in (q["answer"] for q in questions) if a.isalpha() and a[0] != train["answer"][0])
+    try:
+        gateway = expert["services"]["coordinator"]["http"]
+        body = {"question": train["query"], "question_id": train["query_id"], "gold_answer": train["answer"]}
+        done = httpx.post(gateway + "/v1/episodes", json=body, timeout=60).json()
+        assert done["answer"] == train["answer"], done
+        record = httpx.get(f"{gateway}/v1/episodes/{done['episode_id']}", timeout=10).json()
+    finally:
+        down(root / "expert", say=quiet)
+    fixed = fixed_trajectories(record, wrong, assets["tiny"])
+    rows = tuple(
+        SFTSample(tuple(t["token_ids"]), tuple(t["loss_mask"]), "expert", name) for name, t in fixed.items()
+    )
+    config = SFTConfig(
+        lr=1e-2, min_lr=3e-3, warmup_fraction=0.05, weight_decay=0.0, global_batch=2,
+        epochs=SFT_STEPS, checkpoint_every=10**6,
+    )  # fmt: skip
+    mixture = build_mixture({"expert": rows}, [SourceSpec("expert", records)])
+    with one_torch_thread():
+        train_sft(assets["tiny"], mixture, root / "sft", config=config, say=quiet)
+    sft = root / "sft" / "serving"
+
+    (root / "train.jsonl").write_text(json.dumps(train) + "\n")
+    (root / "held-out.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions if q != train))
     state = root / "stack"
     info = up(
-        state,
-        worker="tiny",
-        docs=600,
-        questions_per_tier=3,
-        train_questions=(30, 20),
-        dense="none",
-        say=lambda _m: None,
-    )
-    golds = {
-        q["query"]: q["answer"]
-        for q in map(json.loads, (state / "world" / "train.jsonl").read_text().splitlines())
-    }
-    seen: dict[str, int] = {}
-    coordinator = ScriptedLLM(model="stand-in", default=lambda r: coordinator_turn(r, golds, seen))
-    grader = ScriptedLLM(model="grader", default=garbage_grader)
-    ports = {name: find_free_port() for name in ("coordinator", "grader", "judge")}
-
-    def server(app: ScriptedLLM, port: int) -> uvicorn.Server:
-        return uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="error")
-        )
-
-    token = (state / "admin-token").read_text().strip()
+        state, worker=str(sft), world=assets["world"], kit=assets["tiny"], index=assets["index"],
+        worker_settings=SETTINGS, timeout=120, say=quiet,
+    )  # fmt: skip
     try:
-        with (
-            serving_uvicorn(server(coordinator, ports["coordinator"])),
-            serving_uvicorn(server(grader, ports["grader"])),
-            bcstack_process(
-                ["serve", "judge", "--backend", "openai", "--grader-url",
-                 f"http://127.0.0.1:{ports['grader']}/v1", "--grader-model", "grader",
-                 "--port", str(ports["judge"])],
-                f"http://127.0.0.1:{ports['judge']}/health",
-            ),
-        ):  # fmt: skip
-            swap = httpx.put(
-                info["services"]["coordinator"]["http"] + "/admin/coordinator",
-                headers={"Authorization": f"Bearer {token}"},
-                json={
-                    "endpoint": {
-                        "name": "stand-in",
-                        "base_url": f"http://127.0.0.1:{ports['coordinator']}/v1",
-                        "model": "stand-in",
-                    },
-                    "activate": "stand-in",
-                },
-                timeout=30,
-            )
-            assert swap.status_code == 200, swap.text
-            yield {
-                "state": state,
-                "judge": info["services"]["judge"]["http"],
-                "garbage_judge": f"http://127.0.0.1:{ports['judge']}",
-            }
+        yield {
+            "state": state,
+            "judge": info["services"]["judge"]["http"],
+            "sft": sft,
+            "tokenizer": assets["tiny"],
+            "questions": root / "train.jsonl",
+            "held_out": root / "held-out.jsonl",
+            "gold": train["answer"],
+            "fixed": fixed,
+        }
     finally:
-        down(state, say=lambda _m: None)
+        down(state, say=quiet)
 
 
-def train_rl(
-    stack: dict, out: str, *args: str, env: dict[str, str] | None = None, timeout: float = 400, ranks: int = 1
-):
-    """`bcstack train rl` on the stack; with `ranks` > 1 under `torchrun --nproc_per_node RANKS` (gloo)."""
+def rl_args(stack: dict, out: str, *args: str) -> list[str]:
     state = stack["state"]
-    launcher = [sys.executable, "-m", "bcstack"]
-    if ranks > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        launcher += ["--nproc_per_node", str(ranks), "-m", "bcstack"]
-        env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    command = [
-        *launcher, "train", "rl", "--state", str(state), "--judge", stack["judge"],
-        "--questions", str(state / "world" / "train.jsonl"), "--model", str(state / "tiny"),
-        "--ref", str(state / "tiny"), "--out", str(state / "train" / out), *SMALL, *args,
+    return [
+        "train", "rl", "--state", str(state), "--judge", stack["judge"],
+        "--questions", str(stack["questions"]), "--model", str(stack["sft"]), "--ref", str(stack["sft"]),
+        "--out", str(state / "train" / out),
+        *SMALL, *args,
     ]  # fmt: skip
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
+
+
+def train_rl(stack: dict, out: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300):
+    """`bcstack train rl` on the stack, forked (stack_util.bcstack_forked), on one OpenMP thread."""
+    return bcstack_forked(rl_args(stack, out, *args), env={**ONE_THREAD, **(env or {})}, timeout=timeout)
+
+
+def torchrun_rl(stack: dict, out: str, *args: str, ranks: int, timeout: float = 300):
+    """`bcstack train rl` under `torchrun --nproc_per_node RANKS` (gloo)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    command += ["-m", "bcstack", *rl_args(stack, out, *args)]
+    env = {**os.environ, **ONE_THREAD}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
@@ -177,48 +205,104 @@ def episode_records(stack: dict, ids: list[str]) -> list[dict[str, Any]]:
     return [httpx.get(f"{gateway}/v1/episodes/{i}", timeout=10).json() for i in ids]
 
 
+def trajectory_logprob(model_dir: Path, checkpoint: Path | None, trajectory: dict[str, list]) -> float:
+    """Sum of the log-probs of the trajectory's supervised tokens (its loss mask, as training masks
+    them) under the model, or under the model with the trainer checkpoint's weights."""
+    from trainer.data import Sample
+    from trainer.grpo import load_policy
+    from trainer.packing import pack, per_token_logprobs
+
+    model = load_policy(model_dir)
+    if checkpoint is not None:
+        model.load_state_dict(load_model_state(checkpoint))
+    ids, mask = trajectory["token_ids"], trajectory["loss_mask"]
+    sample = Sample(ids, mask, [0.0] * len(ids), "g", "e", "e.w0", "q", 0.0, None, ())
+    with torch.no_grad(), one_torch_thread():
+        logp = per_token_logprobs(model, pack([sample], [0]))[0]
+    return float((logp * torch.tensor(mask, dtype=logp.dtype)).sum())
+
+
+def test_one_update_on_the_judges_grades_of_the_workers_answers_raises_a_correct_trajectory(
+    rl_stack: dict,
+) -> None:
+    """Rollouts at temperature 1 through the gateway, graded by the stack's rule judge, one GRPO
+    update: the log-prob of the expert's correct trajectory (held fixed: never a rollout of the run)
+    rises and that of its copy with the wrong answer falls. Dynamic sampling keeps the one group
+    to be trained a group with both verdicts, resampling a group that ended alike."""
+    out = rl_stack["state"] / "train" / "learn"
+    done = train_rl(
+        rl_stack, "learn", "--updates", "1", "--max-policy-lag", "0", "--groups", "1", "--group-size", "4",
+        "--dynamic-sampling", "--lr", "1e-4",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (m,) = lines(out / "metrics.jsonl")
+    (row,) = lines(out / "updates.jsonl")
+    # The rewards are the rule judge's verdicts on the answers the workers wrote: the coordinator
+    # finished with its worker's reported answer, and the trained rewards average to the rule
+    # grades of those records, some right and some wrong.
+    from trainer.grpo import rule_grades
+
+    records = [EpisodeRecord.load(r) for r in episode_records(rl_stack, row["trained_episode_ids"])]
+    assert len(records) == 4
+    for record in records:
+        (worker,) = record.workers
+        assert worker.trajectory is not None, record.episode_id
+        if worker.report.answer:  # a worker out of turns reports none (the structure is rarely missed)
+            assert record.answer == worker.report.answer, record.episode_id
+    grades = [rule_grades(r).reward for r in records]
+    assert m["reward_mean"] == pytest.approx(sum(grades) / len(grades))
+    assert 0 < m["reward_mean"] < 1 and m["zero_variance_groups"] == 0
+    # Every sampled episode counts, the resampled groups' too: the worker is right about half the time.
+    assert 0 < m["sampled_reward_mean"] < 1 and m["sampled_episodes"] == 4 * (1 + m["filtered_zero_variance"])
+
+    checkpoint = out / "checkpoints" / "step-00000001"
+    fixed, sft = rl_stack["fixed"], rl_stack["sft"]
+    right = trajectory_logprob(sft, None, fixed["right"]), trajectory_logprob(sft, checkpoint, fixed["right"])
+    wrong = trajectory_logprob(sft, None, fixed["wrong"]), trajectory_logprob(sft, checkpoint, fixed["wrong"])
+    assert right[1] > right[0], right
+    assert wrong[1] < wrong[0], wrong
+
+
 # The asynchronous run is also the torchrun one: two ranks at tp=2, rank 0 running the loop (issue 16).
 @pytest.mark.parametrize(("lag", "ranks"), [(0, 1), (1, 2)])
-def test_three_updates_train_reload_and_respect_the_staleness_bound(
+def test_two_updates_train_reload_and_respect_the_staleness_bound(
     rl_stack: dict, lag: int, ranks: int
 ) -> None:
     out = rl_stack["state"] / "train" / f"lag{lag}"
-    extra = [] if lag == 0 else [
-        "--eval-every", "3", "--eval-questions", str(rl_stack["state"] / "world" / "questions.jsonl"),
-        "--report-to", "tensorboard",
-    ]  # fmt: skip
+    args = ["--updates", "2", "--max-policy-lag", str(lag)]
+    if lag:
+        args += [
+            "--eval-every", "2", "--eval-questions", str(rl_stack["held_out"]), "--report-to", "tensorboard",
+        ]  # fmt: skip
     if ranks > 1:
-        extra += ["--tp", str(ranks)]
-    done = train_rl(
-        rl_stack, f"lag{lag}", "--updates", "3", "--max-policy-lag", str(lag), *extra, ranks=ranks
-    )
+        done = torchrun_rl(rl_stack, f"lag{lag}", *args, "--tp", str(ranks), ranks=ranks)
+    else:
+        done = train_rl(rl_stack, f"lag{lag}", *args)
     assert done.returncode == 0, done.stdout + done.stderr
-    state = json.loads((out / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
+    state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
     assert state["layout"] == {"dp": 1, "tp": ranks}
     metrics = lines(out / "metrics.jsonl")
     if lag:
-        # A held-out round on the current weights after update 3, with its Wilson interval, and the
+        # A held-out round on the current weights after update 2, with its Wilson interval, and the
         # same numbers in TensorBoard's event files.
         last = metrics[-1]
-        assert last["eval_questions"] == 9 and 0 <= last["eval_wilson_low"] <= last["eval_wilson_high"] <= 1
-        assert (out / "eval" / "u000003" / "judgements.jsonl").is_file()
+        assert last["eval_questions"] == 8 and 0 <= last["eval_wilson_low"] <= last["eval_wilson_high"] <= 1
+        assert (out / "eval" / "u000002" / "judgements.jsonl").is_file()
         assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    assert [m["update"] for m in metrics] == [1, 2, 3]
+    assert [m["update"] for m in metrics] == [1, 2]
     for m in metrics:
         assert set(REQUIRED) <= set(m), set(REQUIRED) - set(m)
         assert m["policy_lag_max"] <= lag
         assert m["weight_version"] == f"rl-u{m['update']}"
-        # One right and one wrong answer per group: no zero-variance group, a real gradient.
-        assert m["reward_mean"] == 0.5 and m["zero_variance_groups"] == 0
-        assert m["grad_norm"] > 1e-4
-    # The policy moved: the last checkpoint's weights differ from the tiny model it started from.
-    trained = load_model_state(out / "checkpoints" / "step-00000003")
-    from transformers import AutoModelForCausalLM
+        assert m["graded_episodes"] == 4 and 0 <= m["reward_mean"] <= 1
+    # The policy moved: the last checkpoint's weights differ from the model it started from.
+    trained = load_model_state(out / "checkpoints" / "step-00000002")
+    from safetensors.torch import load_file
 
-    base = AutoModelForCausalLM.from_pretrained(rl_stack["state"] / "tiny").state_dict()
+    base = load_file(rl_stack["sft"] / "model.safetensors")
     assert any(not torch.equal(trained[k].float(), base[k].float()) for k in base if k in trained)
     # Every worker serves the last update's weights, and the episodes record the versions they ran on.
-    assert served_version(rl_stack) == "rl-u3"
+    assert served_version(rl_stack) == "rl-u2"
     updates = lines(out / "updates.jsonl")
     for row in updates:
         trained_at = row["update"] - 1  # the policy version the update started from
@@ -234,14 +318,43 @@ def test_three_updates_train_reload_and_respect_the_staleness_bound(
                 assert v.startswith("rl-u")
                 assert trained_at - lag <= int(v.removeprefix("rl-u")) <= trained_at
     all_ids = [i for row in updates for i in row["episode_ids"]]
-    assert len(all_ids) == len(set(all_ids)) == 3 * 2 * 2
+    assert len(all_ids) == len(set(all_ids)) == 2 * 2 * 2
+
+
+def garbage_grader(request: dict[str, Any], garbled: str) -> Reply:
+    """A grader LLM that answers every prompt about the question `garbled` with something unparseable."""
+    prompt = request["messages"][-1]["content"]
+    if garbled in prompt:
+        return Reply(body=completion("I cannot decide."))
+    if "correct:" in prompt:
+        return Reply(body=completion("extracted_final_answer: x\nreasoning: r\ncorrect: no\nconfidence: 50"))
+    return Reply(body=completion("contribution: partial\nreasoning: it searched"))
 
 
 def test_judge_parse_errors_exclude_episodes_and_a_dead_judge_stops_the_run(rl_stack: dict) -> None:
-    garbage = {**rl_stack, "judge": rl_stack["garbage_judge"]}
-    config = rl_stack["state"] / "faults.yaml"  # settings from a file; flags on the command line win
-    config.write_text("updates: 1\nmax-policy-lag: 0\ngroups: 3\n")
-    done = train_rl(garbage, "faults", "--config", str(config), "--groups", "4")
+    # Two questions, so each pass over them asks both: the grader garbles every verdict on the
+    # second, and grades the first (a right answer there is graded without it: the exact match).
+    held_out = json.loads(rl_stack["held_out"].read_text().splitlines()[0])
+    questions = rl_stack["state"] / "faults.jsonl"
+    questions.write_text(rl_stack["questions"].read_text() + json.dumps(held_out) + "\n")
+    grader = ScriptedLLM(model="grader", default=lambda r: garbage_grader(r, held_out["query"]))
+    grader_port, judge_port = find_free_port(), find_free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(grader, host="127.0.0.1", port=grader_port, lifespan="off", log_level="error")
+    )
+    with (
+        serving_uvicorn(server),
+        bcstack_process(
+            ["serve", "judge", "--backend", "openai", "--grader-url", f"http://127.0.0.1:{grader_port}/v1",
+             "--grader-model", "grader", "--cache", str(rl_stack["state"] / "garbage-judge.sqlite"),
+             "--port", str(judge_port)],
+            f"http://127.0.0.1:{judge_port}/health",
+        ),
+    ):  # fmt: skip
+        garbage = {**rl_stack, "judge": f"http://127.0.0.1:{judge_port}", "questions": questions}
+        config = rl_stack["state"] / "faults.yaml"  # settings from a file; flags on the command line win
+        config.write_text("updates: 1\nmax-policy-lag: 0\ngroups: 3\n")
+        done = train_rl(garbage, "faults", "--config", str(config), "--groups", "4")
     (m,) = lines(rl_stack["state"] / "train" / "faults" / "metrics.jsonl")
     assert done.returncode == 0, done.stdout + done.stderr
     assert m["excluded_episodes"] > 0 and m["graded_episodes"] + m["excluded_episodes"] == 4 * 2
@@ -283,22 +396,23 @@ def test_a_time_limit_stops_after_the_update_in_progress_and_resume_continues(rl
 
 
 def test_kill_9_at_any_phase_then_resume_applies_no_update_twice(rl_stack: dict) -> None:
+    """Update 1 commits; then update 2 is killed in each phase in turn, each run resuming the last."""
     out = rl_stack["state"] / "train" / "crash"
-    for phase, update in (("rollouts", 2), ("update", 3), ("export", 3), ("reload", 4)):
+    for phase in ("rollouts", "update", "export", "reload"):
         done = train_rl(
-            rl_stack, "crash", "--updates", "4", "--max-policy-lag", "1", "--resume",
-            env={"BCSTACK_RL_CRASH_AT": f"{phase}:{update}"},
+            rl_stack, "crash", "--updates", "2", "--max-policy-lag", "1", "--resume",
+            env={"BCSTACK_RL_CRASH_AT": f"{phase}:2"},
         )  # fmt: skip
         assert done.returncode == -signal.SIGKILL, (phase, done.stdout + done.stderr)
-        assert max((m["update"] for m in lines(out / "metrics.jsonl")), default=0) == update - 1
-    done = train_rl(rl_stack, "crash", "--updates", "4", "--max-policy-lag", "1", "--resume")
+        assert max((m["update"] for m in lines(out / "metrics.jsonl")), default=0) == 1
+    done = train_rl(rl_stack, "crash", "--updates", "2", "--max-policy-lag", "1", "--resume")
     assert done.returncode == 0, done.stdout + done.stderr
     metrics = lines(out / "metrics.jsonl")
-    assert [m["update"] for m in metrics] == [1, 2, 3, 4]
-    assert sum(m["discarded_inflight"] for m in metrics) > 0  # the async producer had groups in flight
+    assert [m["update"] for m in metrics] == [1, 2]
+    assert metrics[1]["discarded_inflight"] > 0  # the async producer had groups in flight
     trained = [i for row in lines(out / "updates.jsonl") for i in row["episode_ids"]]
-    assert len(trained) == len(set(trained)) == 4 * 2 * 2
-    assert served_version(rl_stack) == "rl-u4"
+    assert len(trained) == len(set(trained)) == 2 * 2 * 2
+    assert served_version(rl_stack) == "rl-u2"
     assert json.loads((out / "run.json").read_text())["generation"] == 5
 
 
@@ -311,8 +425,9 @@ def test_a_worker_replica_that_dies_costs_its_episodes_not_the_run(rl_stack: dic
     http, grpc_port, gateway_port, gateway_grpc = (find_free_port() for _ in range(4))
     env = {"BCSTACK_ADMIN_TOKEN": token}
     second = bcstack_process(
-        ["serve", "worker", "--tokenizer", str(state / "tiny"), "--engine-url", info["engine"]["http"],
+        ["serve", "worker", "--tokenizer", str(rl_stack["tokenizer"]), "--engine-url", info["engine"]["http"],
          "--retrieval", info["retrieval"]["grpc"], "--checkpoint-root", str(state / "train"),
+         *setting_flags("worker", SETTINGS),
          "--port", str(http), "--grpc-port", str(grpc_port)],
         f"http://127.0.0.1:{http}/health", env=env,
     )  # fmt: skip
@@ -326,22 +441,20 @@ def test_a_worker_replica_that_dies_costs_its_episodes_not_the_run(rl_stack: dic
         )  # fmt: skip
         with gateway:
             out = state / "train" / "replica-dies"
-            command = [
-                sys.executable, "-m", "bcstack", "train", "rl", "--gateway", f"http://127.0.0.1:{gateway_port}",
-                "--judge", rl_stack["judge"], "--workers", f"{info['worker']['http']},http://127.0.0.1:{http}",
-                "--questions", str(state / "world" / "train.jsonl"), "--model", str(state / "tiny"),
-                "--ref", str(state / "tiny"), "--out", str(out), "--updates", "2", "--max-policy-lag", "0",
-                *SMALL,
-            ]  # fmt: skip
-            run = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                env={**os.environ, **env},
+            run = ForkedBcstack(
+                ["train", "rl", "--gateway", f"http://127.0.0.1:{gateway_port}", "--judge", rl_stack["judge"],
+                 "--workers", f"{info['worker']['http']},http://127.0.0.1:{http}",
+                 "--questions", str(rl_stack["questions"]), "--model", str(rl_stack["sft"]),
+                 "--ref", str(rl_stack["sft"]), "--out", str(out), "--updates", "2", "--max-policy-lag", "0",
+                 *SMALL],
+                env={**env, **ONE_THREAD},
             )  # fmt: skip
             wait_until(lambda: lines(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else [],
                        timeout=300, message="the first update")  # fmt: skip
             replica.kill()
-            output, _ = run.communicate(timeout=300)
-    assert run.returncode == 0, output
+            done = run.wait(timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
     metrics = lines(out / "metrics.jsonl")
     assert [m["update"] for m in metrics] == [1, 2], (metrics, output)
     assert [m["reload_failed_replicas"] for m in metrics] == [0, 1], (metrics, output)

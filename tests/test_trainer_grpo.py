@@ -4,7 +4,7 @@ The module fixture starts the local stack with the untrained tiny worker and run
 groups. Those episodes are all wrong (every reward and contribution is 0, so every advantage is 0
 and the only gradient is the KL term's, which is 0 while policy == reference): the command is
 checked for its bookkeeping there, and the learning signal is checked on samples with hand-set
-rewards (and through the grader hook on the stack's records).
+rewards, and through the grader hook on the stack's records (its grades decide which rise).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from core.checkpoint import verify_checkpoint
 from core.records import EpisodeRecord
 from trainer.checkpoint import load_model_state
 from trainer.cli import app
-from trainer.data import Sample
+from trainer.data import Sample, load_samples
 from trainer.grpo import (
     EpisodeGrades,
     GradedEpisode,
@@ -113,21 +113,36 @@ def test_one_step_on_stack_records_then_resume(stack: dict[str, Path], tmp_path:
     verify_checkpoint(out / "serving")
 
 
-def test_the_grader_hook_sets_rewards_and_the_policy_learns(stack: dict[str, Path], tmp_path: Path) -> None:
-    # A stand-in judge that calls the first episode of each group correct.
-    seen: set[str] = set()
+def test_the_grader_hooks_rewards_decide_which_trajectories_the_step_raises(
+    stack: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two stand-in judges grade the same records opposite ways (the first, then the second episode
+    of each group correct): after one step under each, the trajectories that judge rewarded have
+    gained log-prob and the others lost it. The records' own rewards are all 0, so only the hook's
+    grades can set the direction."""
+    samples, _ = load_samples(stack["records"])
+    base = load_policy(stack["tiny"])
+    before = {s.episode_id: _generated_logprob(base, s) for s in samples}
+    first_of_group = {}
+    for s in samples:
+        first_of_group.setdefault(s.group_id, s.episode_id)
+    assert len(first_of_group) == 2 and len(samples) == 4
 
-    def first_of_group_wins(record: EpisodeRecord) -> EpisodeGrades:
-        first = record.group_id not in seen
-        seen.add(record.group_id)
-        return EpisodeGrades(reward=1.0 if first else 0.0, contributions={})
+    for winner in ("first", "second"):
 
-    [step] = train(
-        stack["records"], stack["tiny"], stack["tiny"], tmp_path / "run", grader=first_of_group_wins
-    )
-    assert step["reward_mean"] == 0.5
-    assert step["advantage_max"] > 0 > step["advantage_min"] and step["grad_norm"] > 0
-    assert math.isfinite(step["loss"])
+        def grader(record: EpisodeRecord, winner: str = winner) -> EpisodeGrades:
+            first = first_of_group[record.group_id] == record.episode_id
+            return EpisodeGrades(reward=1.0 if first == (winner == "first") else 0.0, contributions={})
+
+        out = tmp_path / winner
+        [step] = train(stack["records"], stack["tiny"], stack["tiny"], out, grader=grader, lr=1e-3)
+        assert step["reward_mean"] == 0.5 and step["advantage_max"] > 0 > step["advantage_min"]
+        policy = load_policy(stack["tiny"])
+        policy.load_state_dict(load_model_state(out / "checkpoints" / "step-00000001"))
+        for s in samples:
+            rewarded = (first_of_group[s.group_id] == s.episode_id) == (winner == "first")
+            change = _generated_logprob(policy, s) - before[s.episode_id]
+            assert (change > 0) == rewarded and change != 0, (winner, s.episode_id, rewarded, change)
 
 
 @pytest.mark.parametrize(
