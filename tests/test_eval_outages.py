@@ -1,5 +1,5 @@
 """A service that crashes and comes back is waited for, at every hop of an evaluation (the
-regressions `tests/test_eval_kill.py` found by SIGKILLing each service of a running stack):
+regressions `tests/test_eval_stack.py` found by SIGKILLing each service of a running stack):
 the runner waits for the gateway and the judge, the gateway's worker pool for a worker, the
 worker's clients for the engine and retrieval. A failure that outlasts the wait is named in the
 run file, and an unreachable judge stops the run instead of recording a verdict it never gave."""

@@ -1,4 +1,17 @@
-"""`bcstack up` / `bcstack down` and `bcstack eval run` / `report` against the real local stack."""
+"""`bcstack up` / `bcstack down`, `bcstack eval run` / `report`, and kill anything during an evaluation,
+against one real local stack (the scripted expert worker: fast, deterministic, and right on every
+toy question it can research), started once for the module: the tests run in file order, the one
+that kills every service after the ones that need a stack untouched, `down` last.
+
+Kill anything during an evaluation (issue 19, item 5): `bcstack eval run` goes over the stack while
+the test SIGKILLs, in turn, the retrieval service, the engine, the worker, the judge and the
+gateway, each while episodes are in flight, and brings each back with `bcstack restart`. What a
+user relies on afterwards: the evaluation finished (exit 0); every (question, round) has exactly
+one judgement and one run file; every status says what happened (a kill the stack rode out is a
+plain `finish` with the right answer, a failure is an error naming the service); and the gateway
+recorded every (question, round) episode once, under the evaluation's episode id, with nothing
+recorded twice.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +19,22 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
+import time
+import zlib
+from pathlib import Path
 
+import httpx
 import pytest
 from conftest import wait_until
 
-from bcstack.stack import StackError, down, read_state, up
+from bcstack.stack import StackError, down, read_state, restart, up
+
+ROUNDS = 3
+CONCURRENCY = 4
+KILL_ORDER = ("retrieval", "engine", "worker", "judge", "coordinator")
 
 
 def bcstack(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -36,6 +58,20 @@ def alive(pid: int) -> bool:
         return False
 
 
+def running_in_groups(groups: set[int]) -> list[tuple[int, int]]:
+    """(pid, process group) of every process, zombies aside, in one of `groups`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp in groups and state != "Z":
+            found.append((int(stat.parent.name), pgrp))
+    return found
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, toy_kit):
     state = tmp_path_factory.mktemp("stack")
@@ -51,15 +87,35 @@ def stack(tmp_path_factory, toy_kit):
     questions = state / "questions.jsonl"
     questions.write_text("".join(line + "\n" for lines in tiers.values() for line in lines[:5]))
     try:
-        yield {"state": state, "info": info, "questions": questions}
+        yield {
+            "state": state,
+            "info": info,
+            "questions": questions,
+            "all_questions": kit / "world" / "questions.jsonl",
+        }
     finally:
         if read_state(state) is not None:
             down(state, say=lambda s: None)
 
 
 def judgements(out) -> list[dict]:
+    """The judgements written so far (a line still being written is not one yet)."""
     path = out / "judgements.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def stored_episodes(records) -> list[dict]:
+    """Every record in the gateway's SQLite file, read as a user of the file would (read-only)."""
+    with sqlite3.connect(f"file:{records}?mode=ro", uri=True) as conn:
+        rows = conn.execute("SELECT body FROM episodes").fetchall()
+    return [json.loads(zlib.decompress(body)) for (body,) in rows]
+
+
+def gateway_active(info: dict) -> int:
+    r = httpx.get(info["services"]["coordinator"]["http"] + "/health", timeout=2)
+    return int(r.json().get("active_episodes", 0))
 
 
 def test_up_starts_every_service_and_a_second_up_refuses(stack):
@@ -145,15 +201,92 @@ def test_a_killed_eval_run_resumes_without_redoing_or_losing_questions(stack, tm
     )
 
 
+def test_restart_refuses_an_unknown_service_in_one_line(stack):
+    result = bcstack("restart", "retreival", "--state", str(stack["state"]))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no service 'retreival'" in result.stderr and "retrieval" in result.stderr
+
+
+def test_every_service_killed_during_an_evaluation(stack, tmp_path):
+    state, out = stack["state"], tmp_path / "eval"
+    n_questions = len(stack["all_questions"].read_text().splitlines())
+    cmd = [
+        sys.executable, "-m", "bcstack", "eval", "run", "--questions", str(stack["all_questions"]),
+        "--out", str(out), "--state", str(state), "--rounds", str(ROUNDS), "--concurrency", str(CONCURRENCY),
+    ]  # fmt: skip
+    log = (tmp_path / "eval.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    kills: list[tuple[str, float, float]] = []  # (service, killed at, seconds its restart took)
+    try:
+        for name in KILL_ORDER:
+            info = read_state(state)
+            assert info is not None
+            before = len(judgements(out))
+            # Episodes in flight on the gateway (and so branches on the worker, generations on the
+            # engine, searches on retrieval, grades queued behind them) at the moment of the kill.
+            wait_until(lambda info=info: gateway_active(info) > 0, timeout=60, interval=0.02,
+                       message=f"episodes in flight before killing {name}")  # fmt: skip
+            pid = info["services"][name]["pid"]
+            os.killpg(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            if name == KILL_ORDER[0]:  # the command a user runs; then the same call in-process (faster)
+                restarted = bcstack("restart", name, "--state", str(state))
+                assert restarted.returncode == 0, restarted.stderr
+            else:
+                restart(state, name, say=lambda s: None)
+            kills.append((name, round(killed_at - t0, 1), round(time.monotonic() - killed_at, 1)))
+            assert read_state(state)["services"][name]["pid"] != pid
+            assert proc.poll() is None, f"eval run exited {proc.returncode} after {name} was killed"
+            # The evaluation goes on after the restart before the next service is killed.
+            wait_until(lambda before=before: len(judgements(out)) > before + 2, timeout=120, interval=0.1,
+                       message=f"evaluation progress after restarting {name}")  # fmt: skip
+        assert proc.wait(timeout=300) == 0, (tmp_path / "eval.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+    rows = judgements(out)
+    pairs = [(r["query_id"], r["round"]) for r in rows]
+    # Every (question, round) judged exactly once.
+    assert len(pairs) == len(set(pairs)) == n_questions * ROUNDS
+    # Every run file is there, and its status says what happened.
+    for r in rows:
+        run = json.loads((out / "runs" / str(r["round"]) / f"{r['query_id']}.json").read_text())
+        assert run["status"] == r["status"] and run["episode_id"] == r["episode_id"]
+    # Each kill was ridden out (the services wait for a restarted neighbour): no disrupted episode
+    # became a wrong answer. A failure that outlasted the waits would be named in `error`.
+    print(f"kills (service, s into the run, s to restart): {kills}; run took {time.monotonic() - t0:.0f} s")
+    failed = [(r["query_id"], r["round"], r["status"], r["error"]) for r in rows if r["correct"] is not True]
+    assert not failed, (kills, failed)
+    assert {r["status"] for r in rows} == {"finish"} and not any(r["error"] for r in rows)
+
+    # The gateway recorded each (question, round) once, under the evaluation's episode id
+    # (eval-<run id>-<query id>-r<round>), and nothing else of this evaluation.
+    run_id = json.loads((out / "eval.json").read_text())["run_id"]
+    records = [
+        e for e in stored_episodes(state / "records.sqlite") if e["episode_id"].startswith(f"eval-{run_id}-")
+    ]
+    ids = [e["episode_id"] for e in records]
+    assert len(ids) == len(set(ids))
+    assert sorted(ids) == sorted(r["episode_id"] for r in rows)
+    assert sorted(ids) == sorted(f"eval-{run_id}-{q}-r{n}" for q, n in pairs)
+    worker_ids = [w["episode_id"] for e in records for w in e["workers"]]
+    assert len(worker_ids) == len(set(worker_ids))
+
+
 def test_down_stops_every_process_and_leaves_no_orphans(stack):
-    pids = [s["pid"] for s in stack["info"]["services"].values()]
+    # the services as they run now (the kill test restarted every one of them under a new pid)
+    pids = [s["pid"] for s in read_state(stack["state"])["services"].values()]
     result = bcstack("down", "--state", str(stack["state"]))
     assert result.returncode == 0 and "6 service(s) stopped" in result.stdout
     wait_until(lambda: not any(alive(p) for p in pids), timeout=30, message="every service to exit")
-    # nothing of the stack's process groups is left either (e.g. a child of a service)
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)
+    # nothing of the stack's process groups is left running either (e.g. a child of a service). A
+    # service `bcstack restart` started outlived its parent: reparented to PID 1, which in a container
+    # need not reap, it may stay a zombie, so the groups are read from /proc, not probed with killpg.
+    assert not running_in_groups(set(pids))
     assert read_state(stack["state"]) is None
     again = bcstack("down", "--state", str(stack["state"]))
     assert again.returncode == 2 and "no stack" in again.stderr
