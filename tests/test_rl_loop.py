@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -405,8 +406,12 @@ def test_kill_9_at_any_phase_then_resume_applies_no_update_twice(rl_stack: dict)
         )  # fmt: skip
         assert done.returncode == -signal.SIGKILL, (phase, done.stdout + done.stderr)
         assert max((m["update"] for m in lines(out / "metrics.jsonl")), default=0) == 1
+    resumed_at = time.time()
     done = train_rl(rl_stack, "crash", "--updates", "2", "--max-policy-lag", "1", "--resume")
     assert done.returncode == 0, done.stdout + done.stderr
+    # The workers serve update 2 as this run trained it, not the export a killed run left behind
+    # (the export and reload phases' kills each left a whole exports/u000002 of another update 2).
+    assert (out / "exports" / "u000002" / "SHA256SUMS").stat().st_mtime >= resumed_at
     metrics = lines(out / "metrics.jsonl")
     assert [m["update"] for m in metrics] == [1, 2]
     assert metrics[1]["discarded_inflight"] > 0  # the async producer had groups in flight

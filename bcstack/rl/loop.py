@@ -191,6 +191,7 @@ class RLRun:
         self.on_progress = on_progress or (lambda _kind, _data: None)
         self.out = Path(config.out)
         self.update = 0
+        self.resumed = False  # the run resumed from a checkpoint (its update's export may be reused)
         self.client = StackClient(
             config.gateway,
             config.judge,
@@ -238,6 +239,7 @@ class RLRun:
         self.followers.send("start", None if latest is None else str(latest))
         self.policy, self.ref, self.optimizer, state = _trainer_state(cfg, self.layout, latest)
         self.sampler = GroupSampler(cfg.questions, seed=cfg.seed)
+        self.resumed = state is not None
         if state is not None:
             self.update = int(state["step"])
             cursor = state["data_cursor"]
@@ -283,12 +285,18 @@ class RLRun:
     def _export_dir(self, update: int) -> Path:
         return self.out / EXPORTS_DIR / f"u{update:06d}"
 
-    async def _publish(self, update: int) -> tuple[float, float]:
-        """Export the policy as update `update` (unless a whole export is there) and reload every
-        worker to it; returns (export seconds, reload seconds)."""
+    async def _publish(self, update: int, *, reuse: bool = False) -> tuple[float, float]:
+        """Export the policy as update `update` and reload every worker to it; returns (export
+        seconds, reload seconds).
+
+        `reuse`: keep a whole export already there. Only the update a run resumes from may: its
+        export was written before its checkpoint, from the same policy. An export of any later update
+        was left by a run killed before that update's checkpoint, from weights this run never had."""
         t0 = time.perf_counter()
         target = self._export_dir(update)
-        if not (target / "SHA256SUMS").is_file():
+        if not (reuse and (target / "SHA256SUMS").is_file()):
+            if target.exists():
+                shutil.rmtree(target)
             self.followers.send("export", str(target))
             await asyncio.to_thread(export_serving, self.policy, self.cfg.model, target, layout=self.layout)
         _crash_point("export", update)
@@ -513,7 +521,7 @@ class RLRun:
         done: list[dict[str, Any]] = []
         try:
             # The workers serve exactly the checkpoint's policy before any rollout (rl-u0 at the start).
-            export_s, reload_s = await self._publish(self.update)
+            export_s, reload_s = await self._publish(self.update, reuse=self.resumed)
             self.say(
                 f"workers serve {weight_version(self.update)} ({reload_s:.1f} s); "
                 f"training to update {cfg.updates}"
