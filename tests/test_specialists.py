@@ -1,6 +1,7 @@
 """The seed-004 specialists' plumbing, every step the real command: LoRA GRPO against a hot-reloaded
-`bcstack serve engine` (its accounting, export, provenance and resume), multi-teacher distillation
-(each prompt routed to its domain's teacher) and the refusal of an incompatible teacher.
+`bcstack serve engine` (its accounting, export, provenance and resume), pass@k against the engines,
+multi-teacher distillation (each prompt routed to its domain's teacher) and the refusal of an
+incompatible teacher.
 
 The base is the tiny kit SFT'd in-process (~2 s) to reply "Answer: 1" to half of its "Pick one or
 two" prompts and "Answer: 2" to the others; the training prompts are labelled 1 or 2, so the math
@@ -130,6 +131,16 @@ def test_lora_grpo_counts_exports_and_resumes_against_a_hot_reloaded_engine(worl
     assert "resumed at update 1" in done.stdout, done.stdout
     # the engine serves the last update's merged policy
     assert httpx.get(f"{world['engine']}/get_weight_version").json()["weight_version"] == "lora-2"
+    # pass@k against the engines as they serve: the base (a teacher's engine) and the specialist
+    bcstack(
+        "eval", "passk", "--model", f"base={world['teacher_base']}", "--model", f"rl={world['engine']}",
+        "--prompts", f"arithmetic={world['arithmetic']}", "--samples", "2", "--max-new-tokens", "8",
+        "--baseline", "base", "--out", world["root"] / "passk",
+    )  # fmt: skip
+    results = json.loads((world["root"] / "passk" / "results.json").read_text())
+    cell = results["cells"]["rl"]["arithmetic"]
+    assert cell["prompts"] == PROMPTS and cell["samples"] == 2 and 0 <= cell["pass_at_1"] <= 100  # percent
+    assert len(cell["vs_baseline"]["ci_pp"]) == 2  # the paired interval against the base
 
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["update"] for x in lines] == [1, 2]
