@@ -1,6 +1,6 @@
 """pass@k evaluation (bcstack.evaluation.passk): the estimator, the paired interval, the table files,
-resuming, and the command's one-line errors. The live run against engines is in
-tests/test_specialists_live.py."""
+resuming, and the command's one-line errors. A run against live engines is in
+tests/test_specialists.py; bench/specialists.py evaluates trained specialists with it."""
 
 from __future__ import annotations
 

@@ -265,6 +265,22 @@ def distill_step(
     return {"loss": loss_sum}
 
 
+def distill_update(
+    peft_model: Any,
+    optimizer: torch.optim.Optimizer,
+    examples: Sequence[tuple[Response, list[float]]],
+    micro_batch_tokens: int,
+) -> tuple[dict[str, float], float]:
+    """One optimizer step of the LoRA matrices on `examples` (gradient clipped to MAX_GRAD_NORM);
+    returns `distill_step`'s stats and the grad norm."""
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer.zero_grad(set_to_none=True)
+    stats = distill_step(peft_model.get_base_model(), examples, micro_batch_tokens)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM))
+    optimizer.step()
+    return stats, grad_norm
+
+
 async def _teacher_logprobs(client: EngineClient, response: Response) -> list[float | None]:
     ids = list(response.prompt_ids) + list(response.output_ids)
     return await client.score(ids, start=len(response.prompt_ids))
@@ -362,10 +378,7 @@ async def _train(
                         examples.append((resp, adv))
             for g in optimizer.param_groups:
                 g["lr"] = warmup_lr(update, cfg.lr, cfg.warmup_updates)
-            optimizer.zero_grad(set_to_none=True)
-            stats = distill_step(peft_model.get_base_model(), examples, cfg.micro_batch_tokens)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM))
-            optimizer.step()
+            stats, grad_norm = distill_update(peft_model, optimizer, examples, cfg.micro_batch_tokens)
             path = rollout_root / f"update-{update:06d}"
             save_merged(peft_model, path, tokenizer_dir=cfg.student)
             await reload_engine(student, path, f"distill-{update}")

@@ -227,6 +227,49 @@ def policy_loss_step(
     return sums
 
 
+def policy_update(
+    peft_model: Any,
+    optimizer: torch.optim.Optimizer,
+    kept: Sequence[tuple[Response, float]],
+    *,
+    mini_batches: int,
+    clip_eps: float,
+    tis_cap: float | None,
+    micro_batch_tokens: int,
+) -> tuple[dict[str, float], float]:
+    """One update's optimizer steps on the LoRA matrices: `mini_batches` steps over interleaved
+    shares of `kept`, each clipped to MAX_GRAD_NORM; returns the mean stats and the last grad norm."""
+    stats = {"loss": 0.0, "ppo_clip_fraction": 0.0, "tis_clip_fraction": 0.0}
+    grad_norm = 0.0
+    if not kept:
+        return stats, grad_norm
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    logp_old = None
+    if mini_batches > 1:  # the old policy's log-probs, fixed before the first step
+        with torch.no_grad():
+            logp_old = _old_logprobs(peft_model, kept, micro_batch_tokens)
+    for first in range(mini_batches):
+        positions = range(first, len(kept), mini_batches)
+        chunk = [kept[i] for i in positions]
+        if not chunk:
+            continue
+        optimizer.zero_grad(set_to_none=True)
+        old = None if logp_old is None else {k: logp_old[i] for k, i in enumerate(positions)}
+        part = policy_loss_step(
+            peft_model.get_base_model(),
+            chunk,
+            clip_eps=clip_eps,
+            tis_cap=tis_cap,
+            micro_batch_tokens=micro_batch_tokens,
+            logp_old=old,
+        )
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM))
+        optimizer.step()
+        for key in stats:
+            stats[key] += part[key] / mini_batches
+    return stats, grad_norm
+
+
 def warmup_lr(update: int, lr: float, warmup_updates: int) -> float:
     """Linear warm-up over `warmup_updates` updates (update counts from 1), then constant `lr`
     (seed 004's 10-update warm-up; RL and distillation alike)."""
@@ -382,32 +425,15 @@ async def _train(cfg: SpecialistConfig, say: Callable[[str], None]) -> dict[str,
                     )
             for g in optimizer.param_groups:
                 g["lr"] = warmup_lr(update, cfg.lr, cfg.warmup_updates)
-            stats = {"loss": 0.0, "ppo_clip_fraction": 0.0, "tis_clip_fraction": 0.0}
-            grad_norm = 0.0
-            if kept:
-                logp_old = None
-                if cfg.mini_batches > 1:  # the old policy's log-probs, fixed before the first step
-                    with torch.no_grad():
-                        logp_old = _old_logprobs(peft_model, kept, cfg.micro_batch_tokens)
-                for first in range(cfg.mini_batches):
-                    positions = range(first, len(kept), cfg.mini_batches)
-                    chunk = [kept[i] for i in positions]
-                    if not chunk:
-                        continue
-                    optimizer.zero_grad(set_to_none=True)
-                    old = None if logp_old is None else {k: logp_old[i] for k, i in enumerate(positions)}
-                    part = policy_loss_step(
-                        peft_model.get_base_model(),
-                        chunk,
-                        clip_eps=cfg.clip_eps,
-                        tis_cap=cfg.tis_cap,
-                        micro_batch_tokens=cfg.micro_batch_tokens,
-                        logp_old=old,
-                    )
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM))
-                    optimizer.step()
-                    for key in stats:
-                        stats[key] += part[key] / cfg.mini_batches
+            stats, grad_norm = policy_update(
+                peft_model,
+                optimizer,
+                kept,
+                mini_batches=cfg.mini_batches,
+                clip_eps=cfg.clip_eps,
+                tis_cap=cfg.tis_cap,
+                micro_batch_tokens=cfg.micro_batch_tokens,
+            )
             path = rollout_root / f"update-{update:06d}"
             save_merged(peft_model, path, tokenizer_dir=cfg.base)
             await reload_engine(client, path, f"lora-{update}")
