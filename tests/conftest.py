@@ -30,9 +30,7 @@ T = TypeVar("T")
 # order after them). Under `--dist loadfile --no-loadscope-reorder` each worker takes the next module
 # in this order when it is free: longest-first keeps the two workers' finishing times close.
 SLOWEST_FIRST = (
-    "test_specialists_live.py",
     "test_rl_loop.py",
-    "test_eval_kill.py",
     "test_trainer_distributed.py",
     "test_http_fuzz.py",
     "test_speedrun.py",
