@@ -1,17 +1,24 @@
 """The per-service extras (issue 17): `pip install 'browsecomp-stack[X]'` into a fresh virtual
 environment gives a working service and nothing heavy it does not use.
 
-The light images are installed here, each in its own venv: the coordinator gateway and its stand-in
-LLM (`[coordinator]`), the judge (`[judge]`), the worker sidecar (`[worker]`). Each must import and
-serve (`/health` answers) with no torch, Locust or matplotlib installed (transformers only where
-the sidecar needs its tokenizer). The heavy extras (retrieval, engine, trainer: torch) take minutes
-to install; scripts/extras_sizes.py installs every extra the same way and writes the size table
-the README quotes.
+The light images' extras are checked here: the coordinator gateway and its stand-in LLM
+(`[coordinator]`), the judge (`[judge]`), the worker sidecar (`[worker]`). pip resolves each from
+the package's wheel as for an empty environment (`pip install --dry-run --ignore-installed
+--report`): the distributions it would install must hold no torch, Locust or matplotlib
+(transformers only where the sidecar needs its tokenizer). Each service must then import and serve
+(`/health` answers) with only those distributions importable: a `sitecustomize` blocker makes
+every other installed distribution's modules raise ModuleNotFoundError, as they would in the
+fresh venv. Real venvs took 74 s of this module (three installs); a real install of every extra,
+heavy ones included, is `python scripts/extras_sizes.py`, which writes the size table the README
+quotes.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,71 +80,93 @@ def build_wheel(where: Path) -> Path:
     return wheel
 
 
-def venv_with(wheel: Path, extra: str, where: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", str(where)], check=True, timeout=120)
-    # --no-compile: no .pyc at install time (a third of the time here; Python writes them on import)
-    pip = [
-        str(where / "bin" / "python"),
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--disable-pip-version-check",
-        "--no-compile",
-    ]
+def resolve(wheel: Path, extra: str, where: Path) -> set[str]:
+    """The distributions `pip install 'browsecomp-stack[extra]'` would install into an empty
+    environment (pip's own resolver, `--dry-run --ignore-installed --report`), normalised names."""
+    report = where / f"{extra}.json"
     done = subprocess.run(
-        [*pip, "-c", str(REPO / "constraints.txt"), f"{wheel}[{extra}]"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PIP_ROOT_USER_ACTION": "ignore"},
-    )
+        [
+            sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+            "--disable-pip-version-check", "-c", str(REPO / "constraints.txt"),
+            "--report", str(report), f"{wheel}[{extra}]",
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return where / "bin"
+    return {canonical(d["metadata"]["name"]) for d in json.loads(report.read_text())["install"]}
 
 
-def installed(bin_dir: Path) -> set[str]:
-    names = "import importlib.metadata as m; print(' '.join(d.metadata['Name'] for d in m.distributions()))"
-    listing = subprocess.run(
-        [str(bin_dir / "python"), "-c", names], capture_output=True, text=True, check=True
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def blocker(allowed: set[str], where: Path) -> Path:
+    """A folder whose `sitecustomize.py` makes every module of a distribution installed here but not
+    in `allowed` unimportable (ModuleNotFoundError, as in an environment without it): this checkout's
+    environment then behaves, for imports, like a fresh one holding just the extra's distributions."""
+    blocked = sorted(
+        module
+        for module, dists in importlib.metadata.packages_distributions().items()
+        if not {canonical(d) for d in dists} & allowed and not module.startswith("_")
     )
-    return {name.lower().replace("_", "-") for name in listing.stdout.split()}
-
-
-def size_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 1e6
+    folder = where / "blocker"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        f"BLOCKED = frozenset({blocked!r})\n"
+        "class _NotInstalled(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in BLOCKED:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r} (not in the extra)', name=name)\n"
+        "sys.meta_path.insert(0, _NotInstalled())\n"
+    )
+    return folder
 
 
 @pytest.fixture(scope="module")
-def venvs(tmp_path_factory) -> dict[str, Path]:
-    """One fresh venv per extra, installed side by side (pip waits on downloads as much as on the CPU)."""
+def resolved(tmp_path_factory) -> dict[str, set[str]]:
+    """pip's resolution of each extra, side by side (pip waits on the index as much as on the CPU)."""
     root = tmp_path_factory.mktemp("extras")
     wheel = build_wheel(root / "wheel")
     with ThreadPoolExecutor(len(EXTRAS)) as pool:
-        built = {extra: pool.submit(venv_with, wheel, extra, root / extra) for extra in EXTRAS}
-        return {extra: future.result() for extra, future in built.items()}
+        futures = {extra: pool.submit(resolve, wheel, extra, root) for extra in EXTRAS}
+        return {extra: future.result() for extra, future in futures.items()}
+
+
+def test_the_blocker_hides_what_an_extra_does_not_install(tmp_path):
+    """The stand-in for a fresh venv is only as good as its blocking: a module outside the allowed
+    distributions fails to import, one inside imports."""
+    folder = blocker({"httpx", "httpcore", "anyio", "idna", "certifi", "h11", "sniffio"}, tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(REPO)])}
+    probe = "import httpx\ntry:\n    import yaml\nexcept ImportError as e:\n    print('blocked', e.name)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "blocked yaml", done.stderr
 
 
 @pytest.mark.parametrize("extra", list(EXTRAS))
-def test_an_extra_installs_alone_and_its_services_serve(extra, venvs, tmp_path):
+def test_an_extra_installs_alone_and_its_services_serve(extra, resolved, tmp_path):
     forbidden, services = EXTRAS[extra]
-    bin_dir = venvs[extra]
-    dists = installed(bin_dir)
+    dists = resolved[extra]
     assert "browsecomp-stack" in dists
     assert not dists & forbidden, f"[{extra}] pulls in {sorted(dists & forbidden)}"
-    print(f"[{extra}]: {len(dists)} distributions, {size_mb(bin_dir.parent):.0f} MB")
+    print(f"[{extra}]: {len(dists)} distributions")
+    # Every service of the extra imports and serves with only those distributions importable.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BCSTACK_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker(dists, tmp_path)), str(REPO)])
+    bcstack = [sys.executable, "-m", "bcstack"]
     for service in services:
-        python = [str(bin_dir / "python"), "-c", f"import {MODULES[service]}"]
-        # run from tmp_path, so the import finds the installed package, not this checkout
-        imported = subprocess.run(python, capture_output=True, text=True, cwd=tmp_path)
+        python = [sys.executable, "-c", f"import {MODULES[service]}"]
+        imported = subprocess.run(python, capture_output=True, text=True, cwd=tmp_path, env=env)
         assert imported.returncode == 0, imported.stderr
         if service == "worker":  # needs an engine and a tokenizer to be healthy; its CLI must load
-            worker_help = [str(bin_dir / "bcstack"), "serve", "worker", "--help"]
-            helped = subprocess.run(worker_help, capture_output=True, text=True, cwd=tmp_path)
+            worker_help = [*bcstack, "serve", "worker", "--help"]
+            helped = subprocess.run(worker_help, capture_output=True, text=True, cwd=tmp_path, env=env)
             assert helped.returncode == 0 and "--engine-url" in helped.stdout, helped.stderr
             continue
         port = find_free_port()
-        args = [str(bin_dir / "bcstack"), "serve", service, "--host", LOOPBACK, "--port", str(port)]
+        args = [*bcstack, "serve", service, "--host", LOOPBACK, "--port", str(port)]
         if service != "coordinator-llm":
             args += ["--grpc-port", str(find_free_port())]
         if service == "coordinator":
@@ -147,7 +176,6 @@ def test_an_extra_installs_alone_and_its_services_serve(extra, venvs, tmp_path):
                 "--records",
                 str(tmp_path / "r.sqlite"),
             ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BCSTACK_")}
         proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env
         )
@@ -156,7 +184,7 @@ def test_an_extra_installs_alone_and_its_services_serve(extra, venvs, tmp_path):
             wait_until(
                 lambda url=health: httpx.get(url, timeout=2).status_code == 200,
                 timeout=60,
-                message=f"{service} healthy from the [{extra}] install",
+                message=f"{service} healthy with only [{extra}]'s distributions",
             )
         finally:
             proc.terminate()
