@@ -410,7 +410,8 @@ def test_kill_9_at_any_phase_then_resume_applies_no_update_twice(rl_stack: dict)
     done = train_rl(rl_stack, "crash", "--updates", "2", "--max-policy-lag", "1", "--resume")
     assert done.returncode == 0, done.stdout + done.stderr
     # The workers serve update 2 as this run trained it, not the export a killed run left behind
-    # (the export and reload phases' kills each left a whole exports/u000002 of another update 2).
+    # (the export and reload phases' kills each left a whole exports/u000002 of another update 2;
+    # the resume prunes it, and `_publish` re-exports rather than reuse it).
     assert (out / "exports" / "u000002" / "SHA256SUMS").stat().st_mtime >= resumed_at
     metrics = lines(out / "metrics.jsonl")
     assert [m["update"] for m in metrics] == [1, 2]

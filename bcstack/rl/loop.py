@@ -290,8 +290,10 @@ class RLRun:
         seconds, reload seconds).
 
         `reuse`: keep a whole export already there. Only the update a run resumes from may: its
-        export was written before its checkpoint, from the same policy. An export of any later update
-        was left by a run killed before that update's checkpoint, from weights this run never had."""
+        export was written before its checkpoint, from the same policy. An export of a later update
+        was left by a run killed before that update's checkpoint, from weights this run never had;
+        the resumed update's `_prune_exports` deletes it, and re-exporting here keeps a stale export
+        from being served should that ever change."""
         t0 = time.perf_counter()
         target = self._export_dir(update)
         if not (reuse and (target / "SHA256SUMS").is_file()):
