@@ -16,7 +16,9 @@ then writes from the speedrun's `STATE/report.json`:
 The speedrun lives in the package (`bcstack/speedrun.py`, which knows nothing of bench/); this
 script only checks the checkout first and files the report. It refuses, before the run, a checkout
 with uncommitted changes unless --dirty-ok (the report then says DIRTY and lists them), exit
-status 2. Otherwise the exit status is the speedrun's (2 when a stage failed; nothing is written).
+status 2, and a --state inside the checkout that git does not ignore (the run would dirty the tree
+before the report is written). Otherwise the exit status is the speedrun's (2 when a stage
+failed; nothing is written then).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import datetime
 import json
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -150,6 +153,15 @@ def stamped(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def dirties_checkout(state: Path) -> bool:
+    """Whether files the speedrun writes under `state` would show in `git status` of this checkout."""
+    state = state.resolve()
+    if not state.is_relative_to(ROOT):
+        return False
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", str(state / "report.json")])
+    return ignored.returncode != 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -164,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, speedrun_args = parser.parse_known_args(argv)
     require_clean_tree("speedrun", args.dirty_ok)  # before the ~45 minutes, not after them
+    if not args.dirty_ok and dirties_checkout(args.state):
+        parser.error(
+            f"--state {args.state} is inside the checkout and not git-ignored: the run would dirty the "
+            "tree its report names (use a path outside it, or .bcstack-speedrun)"
+        )
 
     from bcstack import speedrun
 

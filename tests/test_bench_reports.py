@@ -122,3 +122,10 @@ def test_a_dirty_checkout_is_refused_in_one_line_with_status_2(monkeypatch, caps
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--dirty-ok" in err and "bench/speedrun.py" in err
     common.require_clean_tree("speedrun", dirty_ok=True)  # no refusal
+
+
+def test_a_state_folder_that_would_dirty_the_checkout_is_refused(tmp_path):
+    speedrun = _bench("speedrun")
+    assert not speedrun.dirties_checkout(ROOT / ".bcstack-speedrun")  # the default, git-ignored
+    assert not speedrun.dirties_checkout(tmp_path / "state")  # outside the checkout
+    assert speedrun.dirties_checkout(ROOT / "speedrun-state-not-ignored")
