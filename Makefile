@@ -6,6 +6,7 @@ PYTEST_ARGS ?=
 # (tests/conftest.py). Off by default: on two cores the training modules' torch processes then
 # share the cores and run ~3x slower each (README, Development), so the suite is no faster.
 PYTEST_WORKERS ?= 0
+SPEEDRUN_ARGS ?=
 
 .PHONY: help install demo speedrun test lint proto dashboards clean
 
@@ -22,8 +23,11 @@ install: $(STAMP)  ## Debian packages, CPU torch, the package and its dev tools 
 demo: install  ## the main job on embedded defaults
 	$(PYTHON) -m bcstack.demo
 
+# bench/speedrun.py runs bcstack.speedrun with $(SPEEDRUN_ARGS) and files its report in
+# bench/results/speedrun.{md,json,png}; from a checkout with uncommitted changes it refuses unless
+# SPEEDRUN_ARGS has --dirty-ok.
 speedrun: install  ## the CPU learning proof: untrained -> SFT -> RL on held-out questions (~45 min)
-	$(PYTHON) -m bcstack.speedrun
+	$(PYTHON) bench/speedrun.py $(SPEEDRUN_ARGS)
 
 test: install  ## the whole test suite
 	$(PYTHON) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)

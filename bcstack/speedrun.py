@@ -31,7 +31,8 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
             the paired comparisons (SFT vs untrained, RL vs SFT: improved/regressed, Δ pp with Newcombe's
             paired interval, exact McNemar p over (question, round) pairs, and with several rounds the
             same comparison with questions as the units: Wilcoxon signed-rank, bootstrap interval), a
-            PNG and `.bcstack-speedrun/report.json`.
+            PNG and `.bcstack-speedrun/report.json` (`make speedrun` runs this through bench/speedrun.py,
+            which files them, with the commit, machine and date, in bench/results/speedrun.*).
 
 The observation sizes (snippet words, hits shown, page words) are worker settings (`--worker-setting`
 of `bcstack up`), stated in the output; no code path is special to the speedrun. Every stack runs

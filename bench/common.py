@@ -68,18 +68,27 @@ def print_machine() -> None:
 
 
 class DirtyTree(SystemExit):
-    """A results file refused: the checkout has uncommitted changes and --dirty-ok was not given."""
+    """A results file refused: the checkout has uncommitted changes and --dirty-ok was not given.
+    Exits 2, after `require_clean_tree` has said why in one line on stderr (no traceback)."""
+
+
+def dirty_tree_line(bench: str, changed: str) -> str:
+    """The one line a refusal prints: the bench, how many paths changed, the first of them."""
+    paths = changed.splitlines()
+    first = paths[0].strip() if paths else ""
+    return (
+        f"bench/{bench}.py: refused: {len(paths)} uncommitted change(s) in the checkout (first: {first}); "
+        "commit them, or pass --dirty-ok to write a report stamped DIRTY"
+    )
 
 
 def require_clean_tree(bench: str, dirty_ok: bool) -> None:
-    """`DirtyTree` unless the checkout is clean or `dirty_ok`; a bench calls it before it runs too,
-    so that a long run does not end in a refusal."""
+    """`DirtyTree` (exit 2) unless the checkout is clean or `dirty_ok`; a bench calls it before it
+    runs too, so that a long run does not end in a refusal."""
     changed = git_state()[1]
     if changed.strip() and not dirty_ok:
-        raise DirtyTree(
-            f"bench/{bench}.py: uncommitted changes in the checkout:\n{changed}\n"
-            "commit them, or pass --dirty-ok to write a report stamped DIRTY"
-        )
+        print(dirty_tree_line(bench, changed), file=sys.stderr, flush=True)
+        raise DirtyTree(2)
 
 
 @dataclass(frozen=True)

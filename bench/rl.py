@@ -1,6 +1,7 @@
 """Benchmark: the RL loop synchronous (`--max-policy-lag 0`) against asynchronous (lag 1 and 2).
 
     python bench/rl.py [--updates 6] [--lags 0,1,2] [--groups 2] [--group-size 4] [--work DIR]
+                       [--results FILE] [--dirty-ok]
 
 The two-core stand-in for disaggregated inference and training GPUs: the rollout side (engine,
 worker, retrieval, gateway, coordinator LLM, judge: a `bcstack up` stack with the untrained tiny
@@ -11,7 +12,9 @@ one after the other, each from the tiny model again (a fresh --out).
 
 Per lag: updates per hour (over the updates after the first, from the metrics lines' times),
 each side's idle fraction (the trainer waiting for groups; no rollout in flight), the policy lag
-of the trained groups (histogram), and the ratio against lag 0. Writes bench/results/rl.md.
+of the trained groups (histogram), and the ratio against lag 0. Writes bench/results/rl.md
+(--results), with the command, commit, machine and date; refused from a checkout with uncommitted
+changes unless --dirty-ok (the report then says DIRTY).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import Table, print_machine, write_results  # noqa: E402
+from common import Table, print_machine, require_clean_tree, write_results  # noqa: E402
 
 ROLLOUT_CPU, TRAINER_CPU = 0, 1
 
@@ -102,9 +105,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bcstack-bench-rl")
     parser.add_argument("--results", type=Path, default=None)
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("this benchmark pins the two sides to two CPUs; this machine has one")
+    require_clean_tree("rl", args.dirty_ok)  # before the run, not after it
     from bcstack.stack import down, up
 
     print("RL loop benchmark: synchronous vs asynchronous, rollouts on CPU 0, trainer on CPU 1")
@@ -149,7 +154,7 @@ def main() -> None:
             "in flight on the rollout side.",
         ],
     )  # fmt: skip
-    print(f"results: {write_results('rl', [table], path=args.results)}")
+    print(f"results: {write_results('rl', [table], path=args.results, dirty_ok=args.dirty_ok)}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ judged on the held-out test questions against that SFT model's own evaluation.
     python bench/rl_variants.py --state .bcstack-speedrun \\
         --variant 'positive only=--lr 3e-5 --vector-lr-scale 300 --negative-advantage-scale 0' \\
         --variant 'seed GRPO=--lr 3e-5 --vector-lr-scale 300 --negative-advantage-scale 1' \\
-        [--minutes 10] [--rounds 3] [--tiers easy] [--work DIR] [--results FILE]
+        [--minutes 10] [--rounds 3] [--tiers easy] [--work DIR] [--results FILE] [--dirty-ok]
 
 A variant is NAME=FLAGS: FLAGS are `bcstack train rl` options added to the speedrun's own (its
 `rl-questions.jsonl`, budget, worker settings and replicas, 8 groups x 8 episodes, dynamic
@@ -20,7 +20,8 @@ scale) moved, the parameter through which a policy can sharpen every distributio
 
 Every variant runs alone on the machine (one after another), so their minutes buy comparable
 numbers of updates; the table gives each one's updates. Results, with the command, commit and
-machine, go to bench/results/rl_variants.md (--results).
+machine, go to bench/results/rl_variants.md (--results); refused from a checkout with uncommitted
+changes unless --dirty-ok (the report then says DIRTY).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import Table, print_machine, render_results, write_results  # noqa: E402
+from common import Table, print_machine, render_results, require_clean_tree, write_results  # noqa: E402
 
 from bcstack.evaluation.loaders import load_questions  # noqa: E402
 from bcstack.evaluation.report import build_report  # noqa: E402
@@ -144,6 +145,7 @@ def main() -> int:
     parser.add_argument("--tiers", default="easy", help="held-out tiers to evaluate, comma-separated")
     parser.add_argument("--work", type=Path, default=None, help="where the variants' runs go")
     parser.add_argument("--results", type=Path, default=None, help="results file")
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
     args.tiers = {t.strip() for t in args.tiers.split(",") if t.strip()}
     state = args.state.resolve()
@@ -155,6 +157,7 @@ def main() -> int:
         if not sep or not name.strip():
             parser.error(f"--variant takes NAME=FLAGS, got {spec!r}")
         variants.append((name.strip(), shlex.split(flags)))
+    require_clean_tree("rl_variants", args.dirty_ok)  # before the run, not after it
     print("machine:")
     print_machine()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-rl-variants-"))
@@ -180,7 +183,7 @@ def main() -> int:
                f"{args.minutes:g} RL minutes each, run one after another."],
     )  # fmt: skip
     print(render_results("rl_variants", [table]))
-    print(f"results: {write_results('rl_variants', [table], path=args.results)}")
+    print(f"results: {write_results('rl_variants', [table], path=args.results, dirty_ok=args.dirty_ok)}")
     return 0
 
 

@@ -18,6 +18,8 @@ Variants (`--variants`, comma-separated):
     python bench/sft_probe.py                      # digits1,digits4; ~35 min on 2 cores
     python bench/sft_probe.py --variants digits4 --sft-steps 250
 
+The table, with the command, commit, machine and date, goes to bench/results/sft_probe.md
+(--results); refused from a checkout with uncommitted changes unless --dirty-ok (the report then says DIRTY).
 Measured on this 2-core box: bench/README.md, "The CPU learning proof".
 """
 
@@ -34,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import Table, print_machine, write_results  # noqa: E402
+from common import Table, print_machine, require_clean_tree, write_results  # noqa: E402
 
 VARIANTS = {"digits1": {"number_digits": 1}, "digits4": {"number_digits": 4}}
 # The speedrun's worker observation settings (bcstack/speedrun.py OBSERVATION_SETTINGS).
@@ -202,12 +204,14 @@ def main() -> None:
     add("--hidden-size", type=int, default=128)
     add("--layers", type=int, default=4)
     add("--results", type=Path, default=None, help="results file (default bench/results/sft_probe.md)")
+    add("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
 
+    require_clean_tree("sft_probe", args.dirty_ok)  # before the run, not after it
     from devkit.toyworld.generator import generate_world
     from devkit.toyworld.policies import expert_worker_policy
 
@@ -254,7 +258,9 @@ def main() -> None:
         ratio = results[1]["correct"] / results[0]["correct"]
         notes.append(f"correct, {results[1]['variant']} / {results[0]['variant']}: {ratio:.2f}x")
     table = Table("Held-out easy questions, free-running greedy episodes", columns, rows, notes)
-    path = write_results("sft_probe", [table], {"setting": setting}, path=args.results)
+    path = write_results(
+        "sft_probe", [table], {"setting": setting}, path=args.results, dirty_ok=args.dirty_ok
+    )
     print(path.read_text())
 
 

@@ -2,6 +2,7 @@
 per domain, a student distilled from both (MOPD), and the cross-domain pass@1 table.
 
     python bench/specialists.py [--work DIR] [--rl-steps 30] [--distill-steps 20] [--results FILE]
+                                [--dirty-ok]
 
 Every step is the stack's own command, run as a user would run it:
 
@@ -24,8 +25,9 @@ The learning rates are the CPU's, not the seed's 1e-5: with LoRA on the 0.87M-pa
 probe at 1e-4 left the greedy development score where it was after 40 updates, so the runs take 1e-3
 (`--rl-lr`, `--distill-lr`). `--format-share 0` makes a base that already writes the requested answer
 line, to see what RL does to the skill itself. A killed run resumes: a stage whose output exists
-is skipped. Results, with the
-command, commit, machine and each stage's seconds, go to bench/results/specialists.md.
+is skipped. Results, with the command, commit, machine and each stage's seconds, go to
+bench/results/specialists.md (--results); refused from a checkout with uncommitted changes
+unless --dirty-ok (the report then says DIRTY).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from common import Table, free_port, print_machine, process, write_results  # noqa: E402
+from common import Table, free_port, print_machine, process, require_clean_tree, write_results  # noqa: E402
 
 from devkit.toyworld.domains import write_mixed_format_sft  # noqa: E402
 
@@ -162,7 +164,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--results", type=Path, default=None)
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
+    require_clean_tree("specialists", args.dirty_ok)  # before the run, not after it
     print_machine()
     work = args.work or Path(tempfile.mkdtemp(prefix="bcstack-specialists-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -419,7 +423,7 @@ def main() -> None:
         format_table(work, results),
         Table("Stage seconds", ["stage", "seconds"], [[k, v] for k, v in seconds.items()]),
     ]
-    path = write_results("specialists", tables, {"work": str(work)}, args.results)
+    path = write_results("specialists", tables, {"work": str(work)}, args.results, dirty_ok=args.dirty_ok)
     print((work / "passk" / "table.md").read_text())
     print(f"wrote {path}")
 

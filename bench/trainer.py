@@ -2,12 +2,14 @@
 
     python bench/trainer.py [--repeats 3] [--budgets 2048,1024] [--threads 1] [--max-len 1024]
                             [--tp-shapes 8x256,8x1024] [--shape 64x2] [--work DIR] [--json FILE]
-                            [--results FILE]
+                            [--results FILE] [--dirty-ok]
 
 All on the CPU with the tiny float32 Qwen3 of `devkit.modelkit` (built into --work once), or a
 wider one of the same design (`--shape 256x4`: width x layers). The
 tables, with the command, commit, machine and date, go to bench/results/trainer.md (--results);
-that file is where the README's numbers come from. A quick run that only checks the machinery:
+that file is where the README's numbers come from, so it is refused from a checkout with
+uncommitted changes unless --dirty-ok (the report then says DIRTY). A quick run that only checks
+the machinery:
 `--repeats 1 --max-len 256 --budgets 512 --tp-shapes 2x64`.
 
 Packing. A synthetic GRPO rollout batch: 8 prompts x 8 episodes = 64 worker trajectories, lengths
@@ -85,7 +87,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import RESULTS_DIR, Table, machine, print_machine, write_results  # noqa: E402
+from common import RESULTS_DIR, Table, machine, print_machine, require_clean_tree, write_results  # noqa: E402
 
 from trainer.advantages import HierarchicalCredit  # noqa: E402
 from trainer.data import Sample  # noqa: E402
@@ -791,7 +793,9 @@ def main() -> None:
         default=RESULTS_DIR / "trainer.md",
         help="the Markdown tables, written each run",
     )
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
+    require_clean_tree("trainer", args.dirty_ok)  # before the run, not after it
 
     print(f"trainer benchmark (Qwen3-architecture model {args.shape}, CPU)")
     print_machine()
@@ -841,7 +845,8 @@ def main() -> None:
         "load average (1 min)": f"{load_before[0]:.2f} before, {load_after[0]:.2f} after",
         "wall time": f"{wall_s:.0f} s",
     }
-    print(f"results: {write_results('trainer', results_tables(packing, tp, checks), extra, args.results)}")
+    tables = results_tables(packing, tp, checks)
+    print(f"results: {write_results('trainer', tables, extra, args.results, dirty_ok=args.dirty_ok)}")
     if args.json:
         report = {
             "machine": machine(),

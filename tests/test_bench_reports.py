@@ -1,0 +1,131 @@
+"""The committed benchmark reports: bench/speedrun.py files a speedrun's report.json with its three
+rows, its paired comparisons and the commit that made it; a bench refuses a dirty checkout in one
+line with exit status 2. On a hand-made report: the speedrun itself is tests/test_speedrun.py's."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stage(name: str, easy: tuple[int, int], wilson: tuple[float, float]) -> dict:
+    return {
+        "name": name,
+        "correct": easy[0],
+        "total": 3 * easy[1],
+        "tiers": {"easy": {"correct": easy[0], "total": easy[1]}, "medium": {"correct": 0, "total": easy[1]},
+                  "hard": {"correct": 0, "total": easy[1]}},
+        "wilson_95": list(wilson),
+    }  # fmt: skip
+
+
+REPORT = {
+    "stages": [
+        _stage("Untrained tiny", (0, 50), (0.0, 0.025)),
+        _stage("SFT", (92, 150), (0.1698, 0.2441)),
+        _stage("SFT + RL", (108, 150), (0.2028, 0.2816)),
+    ],
+    "paired": [
+        {"this": "SFT", "baseline": "Untrained tiny", "n": 150, "improved": 29, "regressed": 0,
+         "delta_pp": 19.33, "delta_ci_pp": [13.27, 26.39], "mcnemar_p": 3.73e-09, "by_question": None},
+        {"this": "SFT + RL", "baseline": "SFT", "n": 450, "improved": 22, "regressed": 6, "delta_pp": 3.56,
+         "delta_ci_pp": [1.23, 5.95], "mcnemar_p": 0.00372,
+         "by_question": {"questions": 150, "rounds_per_question": [3, 3], "improved": 14, "regressed": 4,
+                         "delta_pp": 3.56, "delta_ci_pp": [1.11, 6.22], "wilcoxon_p": 0.004}},
+    ],
+    "seconds": {"world": 11.0, "sft": 765.0, "rl": 745.0},
+    "settings": {"worker": {"page_words": "48"}, "budget": {"max_tokens": 900, "max_turns": 8}, "args": {}},
+    "rl_updates": 16,
+    "rl_model": "/state/stack/train/rl/exports/u16",
+    "rl_error": None,
+}  # fmt: skip
+
+
+def _table(text: str, title: str) -> list[list[str]]:
+    """The body rows of the Markdown table under `## title`."""
+    lines = text.splitlines()
+    start = lines.index(f"## {title}") + 4  # title, blank, header, rule
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_speedrun_report_holds_the_three_rows_the_comparisons_and_the_commit():
+    text = _bench("speedrun").render_speedrun(copy.deepcopy(REPORT))
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert any(line.startswith(f"- commit: {head.stdout.strip()}") for line in text.splitlines())
+    rows = _table(text, "Held-out test questions per stage")
+    assert [r[:6] for r in rows] == [
+        ["Untrained tiny", "0/50", "0/50", "0/50", "0", "150"],
+        ["SFT", "92/150", "0/150", "0/150", "92", "450"],
+        ["SFT + RL", "108/150", "0/150", "0/150", "108", "450"],
+    ]
+    assert [float(x) for x in rows[2][6:]] == pytest.approx([24.0, 20.28, 28.16])
+    paired = _table(text, "Paired comparisons over (question, round) pairs")
+    assert [r[:5] for r in paired] == [
+        ["SFT", "Untrained tiny", "150", "29", "0"],
+        ["SFT + RL", "SFT", "450", "22", "6"],
+    ]
+    assert float(paired[1][-1]) == pytest.approx(0.00372)
+    by_question = _table(
+        text, "Paired comparisons with questions as the units (each question's mean over its rounds)"
+    )
+    assert [r[:6] for r in by_question] == [["SFT + RL", "SFT", "150", "3–3", "14", "4"]]
+    seconds = dict(_table(text, "Seconds per stage"))
+    assert {k: float(v) for k, v in seconds.items()} == {
+        "world": 11,
+        "sft": 765,
+        "rl": 745,
+        "all stages": 1521,
+    }
+
+
+@pytest.mark.parametrize("missing", ["Untrained tiny", "SFT", "SFT + RL"])
+def test_a_report_without_one_of_the_rows_is_not_filed(missing):
+    report = copy.deepcopy(REPORT)
+    report["stages"] = [s for s in report["stages"] if s["name"] != missing]
+    with pytest.raises(ValueError, match="missing"):
+        _bench("speedrun").render_speedrun(report)
+
+
+def test_the_json_copy_keeps_the_report_and_adds_where_and_when():
+    stamped = _bench("speedrun").stamped(copy.deepcopy(REPORT))
+    assert stamped["stages"] == REPORT["stages"] and stamped["paired"] == REPORT["paired"]
+    assert stamped["commit"] == _bench("speedrun").git_state()[0]
+    assert {"machine", "date", "command", "uncommitted_changes"} <= stamped.keys()
+
+
+def test_a_dirty_checkout_is_refused_in_one_line_with_status_2(monkeypatch, capsys):
+    _bench("speedrun")  # puts bench/ on sys.path, as every bench does
+    common = sys.modules["common"]
+    monkeypatch.setattr(common, "git_state", lambda: ("f" * 40, " M bench/speedrun.py\n?? notes.txt"))
+    with pytest.raises(SystemExit) as refused:
+        common.require_clean_tree("speedrun", dirty_ok=False)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--dirty-ok" in err and "bench/speedrun.py" in err
+    common.require_clean_tree("speedrun", dirty_ok=True)  # no refusal
+
+
+def test_a_state_folder_that_would_dirty_the_checkout_is_refused(tmp_path):
+    speedrun = _bench("speedrun")
+    assert not speedrun.dirties_checkout(ROOT / ".bcstack-speedrun")  # the default, git-ignored
+    assert not speedrun.dirties_checkout(tmp_path / "state")  # outside the checkout
+    assert speedrun.dirties_checkout(ROOT / "speedrun-state-not-ignored")
