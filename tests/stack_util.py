@@ -11,6 +11,7 @@ command as a new process forked from one that has already imported it (see there
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -148,7 +149,7 @@ def warm_forkserver() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def _bcstack_main(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+def _as_new_process(env: dict[str, str], stdout: str, stderr: str) -> None:
     os.environ.update(env)
     if "OMP_NUM_THREADS" in env:
         # OpenMP read the variable when the forkserver loaded torch; a new process would read it now.
@@ -159,21 +160,35 @@ def _bcstack_main(args: list[str], env: dict[str, str], stdout: str, stderr: str
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
         os.close(target)
+
+
+def _bcstack_main(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    _as_new_process(env, stdout, stderr)
     sys.argv = ["bcstack", *args]
     from bcstack.cli import main
 
     main()
 
 
-class ForkedBcstack:
-    """`bcstack ARGS` forked from the forkserver; `env` is added to the environment."""
+def _module_main(module: str, args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    _as_new_process(env, stdout, stderr)
+    sys.argv = [module, *args]
+    sys.exit(importlib.import_module(module).main(args))
 
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
-        self.args = ["bcstack", *args]
+
+class ForkedBcstack:
+    """`bcstack ARGS` forked from the forkserver; `env` is added to the environment. With `module`,
+    `python -m MODULE ARGS` instead, for a module whose `main(argv)` returns the exit status."""
+
+    def __init__(
+        self, args: Sequence[str], env: dict[str, str] | None = None, module: str | None = None
+    ) -> None:
+        self.args = [module or "bcstack", *args]
         folder = Path(tempfile.mkdtemp(prefix="bcstack-fork-"))
         self._out, self._err = folder / "stdout", folder / "stderr"
         given = (list(args), dict(env or {}), str(self._out), str(self._err))
-        self.proc = _forkserver().Process(target=_bcstack_main, args=given, daemon=True)
+        target, given = (_bcstack_main, given) if module is None else (_module_main, (module, *given))
+        self.proc = _forkserver().Process(target=target, args=given, daemon=True)
         self.proc.start()
 
     def wait(self, timeout: float) -> subprocess.CompletedProcess:
@@ -194,7 +209,7 @@ class ForkedBcstack:
 
 
 def bcstack_forked(
-    args: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 600
+    args: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 600, module: str | None = None
 ) -> subprocess.CompletedProcess:
-    """Run `bcstack ARGS` to its end as a forked process (see `ForkedBcstack`)."""
-    return ForkedBcstack(args, env).wait(timeout)
+    """Run `bcstack ARGS` (or `python -m MODULE ARGS`) to its end as a forked process (`ForkedBcstack`)."""
+    return ForkedBcstack(args, env, module).wait(timeout)

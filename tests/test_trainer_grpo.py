@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -51,20 +52,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory, toy_kit: dict) -> dict[str, 
         gateway = info["services"]["coordinator"]["http"]
         lines = (kit / "world" / "questions.jsonl").read_text().splitlines()
         questions = [json.loads(line) for line in lines]
-        for group, question in enumerate(questions[:2]):
-            for _ in range(2):
-                response = httpx.post(
-                    f"{gateway}/v1/episodes",
-                    json={
-                        "question": question["query"],
-                        "question_id": str(question["query_id"]),
-                        "gold_answer": question["answer"],
-                        "group_id": f"group-{group}",
-                        "worker_budget": {"max_tokens": 600, "max_turns": 2},
-                        "overrides": {"max_branches": 1},
-                    },
-                    timeout=120,
-                )
+
+        def episode(group: int) -> httpx.Response:
+            question = questions[group]
+            return httpx.post(
+                f"{gateway}/v1/episodes",
+                json={
+                    "question": question["query"],
+                    "question_id": str(question["query_id"]),
+                    "gold_answer": question["answer"],
+                    "group_id": f"group-{group}",
+                    "worker_budget": {"max_tokens": 600, "max_turns": 2},
+                    "overrides": {"max_branches": 1},
+                },
+                timeout=120,
+            )
+
+        # All four at once: the engine decodes them in one batch (4 s here, where one by one took 19 s).
+        with ThreadPoolExecutor(4) as pool:
+            for response in pool.map(episode, [0, 0, 1, 1]):
                 assert response.status_code == 200, response.text
     finally:
         down(state, say=quiet)
