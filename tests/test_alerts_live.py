@@ -12,7 +12,7 @@ resolved once the fault is removed:
 Prometheus scrapes each service under the job name the chart's ServiceMonitors give it
 (<release>-bcstack-<component>: the engine under the worker's, as the worker ServiceMonitor
 scrapes both containers), so these are the rules a cluster runs. Only the timings are the test's:
-a 10 s window, no `for:` holds, a 3 s breaker reset, scraped and evaluated every second.
+a 6 s window, no `for:` holds, a 3 s breaker reset, scraped and evaluated every second.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from conftest import LOOPBACK, find_free_port, wait_until
 from helm_harness import chart_defaults, render_chart
 from prom_util import alerts, dashboard_queries, metric_names_in, prometheus, query
 from prometheus_client.parser import text_string_to_metric_families
+from stack_util import ForkedPopen, bcstack_forked, warm_forkserver
 
 from bcstack import dashboards
 from bcstack.stack import down, read_state, up
@@ -52,11 +53,11 @@ JOBS = {  # stack service -> the job its chart ServiceMonitor scrapes it as
     "coordinator-llm": "coordinator-llm",  # outside the chart: the production coordinator LLM is external
 }
 TRAINER_JOB = f"default/{RELEASE}-bcstack-trainer"  # a PodMonitor's job: <namespace>/<name>
-WINDOW = "10s"
+WINDOW = "6s"  # rates need two 1 s scrapes inside it; an alert resolves this long after its fault
 
 
 def live_rules(path: Path) -> Path:
-    """The chart's rules with the test's timings: every alert at once (`for: 0s`), a 10 s window."""
+    """The chart's rules with the test's timings: every alert at once (`for: 0s`), a short window."""
     alerts_values = {name: {"for": "0s"} for name in chart_defaults("metrics")["prometheusRule"]["alerts"]}
     alerts_values["turnsSlow"]["baseline"] = "2m"
     values = {"metrics": {"prometheusRule": {"enabled": True, "window": WINDOW, "alerts": alerts_values}}}
@@ -139,16 +140,12 @@ def _kill(state: Path, name: str) -> list[str]:
 
 
 def _start(state: Path, name: str, argv: list[str]) -> None:
+    """Start `argv` (`python -m bcstack ARGS`) again: `bcstack ARGS` forked from the forkserver
+    (stack_util), which skips the seconds of imports, in a process group of its own as `up` starts it."""
     token = (state / "admin-token").read_text().strip()
-    log = (state / "logs" / f"{name}.restarted.log").open("w")
-    proc = subprocess.Popen(
-        argv,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "BCSTACK_ADMIN_TOKEN": token},
-        start_new_session=True,
-    )
-    log.close()
+    args = argv[argv.index("bcstack") + 1 :]
+    log = state / "logs" / f"{name}.restarted.log"
+    proc = ForkedPopen(args, {**os.environ, "BCSTACK_ADMIN_TOKEN": token}, log, new_session=True)
     info = json.loads((state / "stack.json").read_text())
     info["services"][name]["pid"] = proc.pid  # so `bcstack down` stops the new process
     (state / "stack.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -159,6 +156,7 @@ def _start(state: Path, name: str, argv: list[str]) -> None:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, toy_kit) -> Iterator[dict[str, Any]]:
     state = tmp_path_factory.mktemp("alert-stack")
+    warm_forkserver()  # for the restarted retrieval and the smoke runs; imports beside `up`
     kit = toy_kit["dir"]
     # The gateway lets a trial call through an open breaker after 3 s, not 30, so the breaker alert
     # resolves within the test; every service reads its settings from the environment.
@@ -330,10 +328,9 @@ def test_the_helm_test_pod_command_passes_on_the_stack_and_fails_on_a_dead_servi
     done = subprocess.run([*smoke, *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "smoke: 5/5 checks passed" in done.stdout
+    # the same command forked from the forkserver (stack_util): the seconds of imports skipped
     dead = [a.replace(services["judge"]["http"], f"http://{LOOPBACK}:{find_free_port()}") for a in args]
-    failed = subprocess.run([*smoke, *dead], capture_output=True, text=True, timeout=300)
+    failed = bcstack_forked([*container["command"][1:], *dead], timeout=300)
     assert failed.returncode == 1 and "FAIL  judge /metrics" in failed.stdout, failed.stdout
-    whole = subprocess.run(
-        [*smoke, "--state", str(live["state"])], capture_output=True, text=True, timeout=300
-    )
+    whole = bcstack_forked([*container["command"][1:], "--state", str(live["state"])], timeout=300)
     assert whole.returncode == 0 and "smoke: 7/7 checks passed" in whole.stdout, whole.stdout + whole.stderr
