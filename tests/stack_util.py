@@ -231,6 +231,7 @@ class ForkedPopen:
     def __init__(
         self, args: Sequence[str], env: dict[str, str], log_path: Path, new_session: bool = False
     ) -> None:
+        self.args = ["bcstack", *args]
         given = (list(args), dict(env), str(log_path), str(log_path), True, new_session)
         self._proc = _forkserver().Process(target=_bcstack_main, args=given, daemon=True)
         self._proc.start()
@@ -256,7 +257,7 @@ class ForkedPopen:
     def wait(self, timeout: float | None = None) -> int:
         self._proc.join(timeout)
         if self._proc.exitcode is None:
-            raise subprocess.TimeoutExpired(["bcstack", *self._proc._args[0]], timeout)
+            raise subprocess.TimeoutExpired(self.args, timeout)
         return self._proc.exitcode
 
 
