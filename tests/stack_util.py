@@ -2,6 +2,7 @@
 
     with bcstack_process(["serve", "worker", ...], "http://127.0.0.1:PORT/health") as proc: ...
     done = bcstack_forked(["train", "rl", ...])  # a subprocess.CompletedProcess
+    with bcstack_process([...], url, forked=True) as proc: ...  # a server, forked: starts in ~1 s
 
 Output goes to a temporary log file (a pipe nobody reads would fill and block a chatty server);
 when the process dies before it is healthy the assertion quotes the log. `bcstack_forked` runs a
@@ -27,10 +28,18 @@ from conftest import wait_until
 
 
 class BcstackProcess:
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    """`bcstack ARGS` as a process of its own; `forked`: forked from the forkserver (`ForkedPopen`)
+    instead of a new `python -m bcstack`, which spends seconds of CPU on its imports."""
+
+    def __init__(
+        self, args: list[str], log_path: Path, env: dict[str, str] | None = None, forked: bool = False
+    ) -> None:
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        if forked:
+            self.proc = ForkedPopen(args, {**os.environ, **(env or {})}, log_path)
+            return
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bcstack", *args],
             stdout=self._log,
@@ -71,11 +80,15 @@ class BcstackProcess:
 
 @contextlib.contextmanager
 def bcstack_process(
-    args: list[str], health_url: str, timeout: float = 120, env: dict[str, str] | None = None
+    args: list[str],
+    health_url: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    forked: bool = False,
 ) -> Iterator[BcstackProcess]:
-    """``env`` is added to this process's environment."""
+    """``env`` is added to this process's environment; `forked`: see `BcstackProcess`."""
     log_path = Path(tempfile.mkstemp(prefix="bcstack-", suffix=".log")[1])
-    process = BcstackProcess(args, log_path, env)
+    process = BcstackProcess(args, log_path, env, forked)
     try:
         process.wait_healthy(health_url, timeout)
         yield process
@@ -90,16 +103,16 @@ def bcstack_process(
 
 @contextlib.contextmanager
 def bcstack_processes(
-    specs: list[tuple], timeout: float = 120, env: dict[str, str] | None = None
+    specs: list[tuple], timeout: float = 120, env: dict[str, str] | None = None, forked: bool = False
 ) -> Iterator[list[BcstackProcess]]:
     """Several `bcstack_process`es started at once (their imports overlap on the cores), each then
     waited for; stopped in reverse order. `specs`: (args, health URL) or (args, health URL, env)
-    per process; a spec's env replaces `env`."""
+    per process; a spec's env replaces `env`. `forked`: see `BcstackProcess`."""
     with contextlib.ExitStack() as stack:
         started: list[tuple[BcstackProcess, str]] = []
         for args, health_url, *own in specs:
             log_path = Path(tempfile.mkstemp(prefix="bcstack-", suffix=".log")[1])
-            process = BcstackProcess(args, log_path, own[0] if own else env)
+            process = BcstackProcess(args, log_path, own[0] if own else env, forked)
             stack.callback(log_path.unlink, missing_ok=True)
             stack.callback(process.stop)
             started.append((process, health_url))
@@ -149,7 +162,15 @@ def warm_forkserver() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def _as_new_process(env: dict[str, str], stdout: str, stderr: str) -> None:
+def _as_new_process(
+    env: dict[str, str], stdout: str, stderr: str, whole_env: bool = False, new_session: bool = False
+) -> None:
+    """`whole_env`: `env` is the whole environment (the caller's now, not the forkserver's at its start);
+    `new_session`: a session and process group of its own, as `Popen(start_new_session=True)`."""
+    if new_session:
+        os.setsid()
+    if whole_env:
+        os.environ.clear()
     os.environ.update(env)
     if "OMP_NUM_THREADS" in env:
         # OpenMP read the variable when the forkserver loaded torch; a new process would read it now.
@@ -157,13 +178,23 @@ def _as_new_process(env: dict[str, str], stdout: str, stderr: str) -> None:
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     for fd, path in ((1, stdout), (2, stderr)):
+        if fd == 2 and path == stdout:
+            os.dup2(1, 2)  # one log, one file offset: the two streams interleave as with STDOUT
+            continue
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
         os.close(target)
 
 
-def _bcstack_main(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
-    _as_new_process(env, stdout, stderr)
+def _bcstack_main(
+    args: list[str],
+    env: dict[str, str],
+    stdout: str,
+    stderr: str,
+    whole_env: bool = False,
+    new_session: bool = False,
+) -> None:
+    _as_new_process(env, stdout, stderr, whole_env, new_session)
     sys.argv = ["bcstack", *args]
     from bcstack.cli import main
 
@@ -206,6 +237,45 @@ class ForkedBcstack:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join(10)
+
+
+class ForkedPopen:
+    """A long-running `bcstack ARGS` (a server) forked from the forkserver, with the part of
+    `subprocess.Popen` that `BcstackProcess` uses; stdout and stderr go to `log_path`. `env` is the
+    whole environment: the child gets the caller's environment of now, as `Popen` would;
+    `new_session` as `Popen(start_new_session=True)`."""
+
+    def __init__(
+        self, args: Sequence[str], env: dict[str, str], log_path: Path, new_session: bool = False
+    ) -> None:
+        self.args = ["bcstack", *args]
+        given = (list(args), dict(env), str(log_path), str(log_path), True, new_session)
+        self._proc = _forkserver().Process(target=_bcstack_main, args=given, daemon=True)
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
 
 
 def bcstack_forked(

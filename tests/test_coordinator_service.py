@@ -3,7 +3,9 @@
 Retrieval (`bcstack serve retrieval`, embedded backends over a toy world) + the scripted expert
 engine + worker replicas (`bcstack serve worker`) + scripted coordinator LLMs
 (`bcstack serve coordinator-llm`, some with injected faults) + the gateway
-(`bcstack serve coordinator`), talking HTTP, SSE and gRPC.
+(`bcstack serve coordinator`), talking HTTP, SSE and gRPC. Each is forked from the forkserver
+(stack_util: its own process, seconds of imports skipped) but the restarted gateway, which starts
+as `python -m bcstack serve coordinator`.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def coordinator_llm_spec(model: str, **faults) -> tuple[tuple, dict]:
 @contextlib.contextmanager
 def coordinator_llm(model: str, **faults):
     spec, endpoint = coordinator_llm_spec(model, **faults)
-    with bcstack_process(spec[0], spec[1], env=spec[2]):
+    with bcstack_process(spec[0], spec[1], env=spec[2], forked=True):
         yield endpoint
 
 
@@ -70,14 +72,14 @@ def coordinator_llm(model: str, **faults):
 def coordinator_llms(**specs: dict):
     """Several stand-in LLMs started at once: name -> faults (with "model"); yields name -> endpoint."""
     built = {name: coordinator_llm_spec(**faults) for name, faults in specs.items()}
-    with bcstack_processes([spec for spec, _ in built.values()]):
+    with bcstack_processes([spec for spec, _ in built.values()], forked=True):
         yield {name: endpoint for name, (_, endpoint) in built.items()}
 
 
 def worker(stack, http: int, grpc_port: int, env: dict[str, str] | None = None):
     args = ["serve", "worker", "--tokenizer", str(stack["tmp"] / "tiny"), "--engine-url", stack["engine"]]
     args += ["--retrieval", stack["retrieval"], "--port", str(http), "--grpc-port", str(grpc_port)]
-    return bcstack_process(args, _url(http, "/health"), env=env)
+    return bcstack_process(args, _url(http, "/health"), env=env, forked=True)
 
 
 @contextlib.contextmanager
@@ -97,7 +99,9 @@ def gateway(stack, name: str, endpoints: list[dict], workers: list[str] | None =
     path = stack["tmp"] / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     args = ["serve", "coordinator", "--config", str(path), "--port", str(http), "--grpc-port", str(grpc_port)]
-    with bcstack_process(args, _url(http, "/health"), env={"BCSTACK_ADMIN_TOKEN": ADMIN}) as proc:
+    with bcstack_process(
+        args, _url(http, "/health"), env={"BCSTACK_ADMIN_TOKEN": ADMIN}, forked=True
+    ) as proc:
         yield {"http": http, "grpc": grpc_port, "proc": proc, "args": args, "config": config}
 
 
@@ -141,7 +145,8 @@ def stack(tmp_path_factory, toy_kit):
                     ),
                     worker_spec(ports["w1"], ports["w1g"]),
                     worker_spec(ports["w2"], ports["w2g"]),
-                ]  # fmt: skip
+                ],  # fmt: skip
+                forked=True,
             )
         )
         state["llm_a"] = es.enter_context(coordinator_llm("coord-a"))
@@ -503,6 +508,7 @@ def test_a_killed_gateway_loses_no_finished_episode(stack):
         before = [httpx.get(_url(g["http"], f"/v1/episodes/{i}")).json() for i in ids]
         g["proc"].kill()  # SIGKILL right after the answers: no shutdown code runs
         args, http = g["args"], g["http"]
+    # restarted as `python -m bcstack serve coordinator`: one gateway of this module starts cold
     with bcstack_process(args, _url(http, "/health"), env={"BCSTACK_ADMIN_TOKEN": ADMIN}):
         after = [httpx.get(_url(http, f"/v1/episodes/{i}")).json() for i in ids]
         assert after == before

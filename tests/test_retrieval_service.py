@@ -19,14 +19,17 @@ import httpx
 import pytest
 from conftest import find_free_port, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stack_util import ForkedBcstack, bcstack_forked
 
 from core.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 N_DOCS = 500  # the session's toy kit (conftest.toy_kit): its world and index are shared
 
 
-def _bcstack(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bcstack", *args], capture_output=True, text=True, **kw)
+def _bcstack(*args: str) -> subprocess.CompletedProcess:
+    """`bcstack ARGS` forked from the forkserver (stack_util): a process of its own that skips the
+    seconds of imports; the service, and the resumed ingest, run as `python -m bcstack` instead."""
+    return bcstack_forked(args)
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +275,7 @@ def test_killed_ingest_resumes_without_duplicates(world_dir, tmp_path):
         "--batch-size",
         "32",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = ForkedBcstack(cmd[3:])
 
     def committed() -> int:
         try:
@@ -284,8 +287,8 @@ def test_killed_ingest_resumes_without_duplicates(world_dir, tmp_path):
     try:
         wait_until(lambda: committed() >= 64, timeout=120, interval=0.05, message="ingest made no progress")
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.kill(proc.proc.pid, signal.SIGKILL)
+        proc.proc.join(10)
     partial = committed()
     assert 0 < partial < n
     manifest = json.loads((index / "manifest.json").read_text())
