@@ -16,6 +16,7 @@ import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -225,18 +226,18 @@ class ForkedBcstack:
     def wait(self, timeout: float) -> subprocess.CompletedProcess:
         """Its exit status (negative: killed by that signal) and output, as `subprocess.run` gives them."""
         self.proc.join(timeout)
+        out, err = self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
         if self.proc.exitcode is None:
             self.kill()
-            raise subprocess.TimeoutExpired(self.args, timeout, self._out.read_text(), self._err.read_text())
-        out, err = self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
-        for path in (self._out, self._err):
-            path.unlink(missing_ok=True)
-        self._out.parent.rmdir()
+            raise subprocess.TimeoutExpired(self.args, timeout, out, err)
+        shutil.rmtree(self._out.parent, ignore_errors=True)
         return subprocess.CompletedProcess(self.args, self.proc.exitcode, out, err)
 
     def kill(self) -> None:
+        """Kill it and remove its output folder."""
         self.proc.kill()
         self.proc.join(10)
+        shutil.rmtree(self._out.parent, ignore_errors=True)
 
 
 class ForkedPopen:

@@ -26,10 +26,10 @@ from core.v1 import retrieval_pb2, retrieval_pb2_grpc
 N_DOCS = 500  # the session's toy kit (conftest.toy_kit): its world and index are shared
 
 
-def _bcstack(*args: str) -> subprocess.CompletedProcess:
+def _bcstack(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`bcstack ARGS` forked from the forkserver (stack_util): a process of its own that skips the
     seconds of imports; the service, and the resumed ingest, run as `python -m bcstack` instead."""
-    return bcstack_forked(args)
+    return bcstack_forked(args, env=env)
 
 
 @pytest.fixture(scope="module")

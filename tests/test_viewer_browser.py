@@ -143,6 +143,17 @@ def _one(driver, selector: str):
     return driver.find_element(By.CSS_SELECTOR, selector)
 
 
+def _follow(driver, selector: str) -> None:
+    """Click the link or button SELECTOR and wait for the page it loads: a click returns before the
+    next page is there, and on a slow machine the old page would still be read."""
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    old = _one(driver, "html")
+    _one(driver, selector).click()
+    WebDriverWait(driver, 20).until(expected_conditions.staleness_of(old))
+
+
 def _rows(driver) -> list[str]:
     """The episode ids the list shows, in order (one round trip to the browser, not one per row)."""
     return driver.execute_script(
@@ -152,13 +163,20 @@ def _rows(driver) -> list[str]:
 
 def test_the_token_is_asked_for_once_and_enforced(gateway: str, browser) -> None:
     browser.delete_all_cookies()
+    try:
+        _the_token_is_asked_for_once_and_enforced(gateway, browser)
+    finally:  # the other tests use the browser's cookie: give it back whatever happened here
+        browser.get(f"{gateway}/ui?token={TOKEN}")
+
+
+def _the_token_is_asked_for_once_and_enforced(gateway: str, browser) -> None:
     browser.get(f"{gateway}/ui")
     assert _one(browser, "#message h1").text == "Token required" and _rows(browser) == []
     _one(browser, "input[name=token]").send_keys("not-the-token")
-    _one(browser, ".token-form button").click()
+    _follow(browser, ".token-form button")
     assert _one(browser, "#message h1").text == "Wrong token"
     _one(browser, "input[name=token]").send_keys(TOKEN)
-    _one(browser, ".token-form button").click()
+    _follow(browser, ".token-form button")
     assert len(_rows(browser)) == ROWS and "token" not in browser.current_url
     cookie = browser.get_cookie("bcstack_viewer")
     assert cookie["httpOnly"] and TOKEN not in cookie["value"]
@@ -175,10 +193,10 @@ def test_the_list_shows_every_episode_and_the_filters_narrow_it(gateway: str, br
     assert len(_rows(browser)) == ROWS and _rows(browser)[0] == KNOWN  # newest first
     assert _one(browser, "#count").text == f"1–{ROWS} of {ROWS} episodes"
     Select(_one(browser, "select[name=status]")).select_by_visible_text("error")
-    _one(browser, "#filters button").click()
+    _follow(browser, "#filters button")
     assert len(_rows(browser)) == _expected(lambda s, g, v, c, d: s == "error")
     _one(browser, "input[name=group_id]").send_keys("g-2")
-    _one(browser, "#filters button").click()
+    _follow(browser, "#filters button")
     assert len(_rows(browser)) == _expected(lambda s, g, v, c, d: s == "error" and g == "g-2")
     assert Select(_one(browser, "select[name=status]")).first_selected_option.text == "error"  # kept
 
@@ -201,18 +219,18 @@ def test_paging_walks_the_list(gateway: str, browser) -> None:
     pages = [_rows(browser)]
     assert _by_css(browser, "#prev-page") == [] and _one(browser, "#page-of").text == "page 1 of 3"
     while _by_css(browser, "#next-page"):
-        _one(browser, "#next-page").click()
+        _follow(browser, "#next-page")
         pages.append(_rows(browser))
     assert [len(p) for p in pages] == [5, 5, ROWS - 10]
     seen = [episode for page in pages for episode in page]
     assert len(set(seen)) == ROWS
-    _one(browser, "#prev-page").click()
+    _follow(browser, "#prev-page")
     assert _rows(browser) == pages[1]
 
 
 def test_the_episode_page_shows_every_turn_and_tool_call(gateway: str, browser) -> None:
     browser.get(f"{gateway}/ui")
-    _one(browser, f"a[href$='/ui/episodes/{KNOWN}']").click()
+    _follow(browser, f"a[href$='/ui/episodes/{KNOWN}']")
     assert _one(browser, "#episode-id").text == KNOWN and _one(browser, "#gold-answer").text == "1761"
     assert (
         _one(browser, "#verdict").text == "correct"
