@@ -30,16 +30,23 @@ T = TypeVar("T")
 # order after them). Under `--dist loadfile --no-loadscope-reorder` each worker takes the next module
 # in this order when it is free: longest-first keeps the two workers' finishing times close.
 SLOWEST_FIRST = (
-    "test_rl_loop.py",
     "test_trainer_distributed.py",
-    "test_http_fuzz.py",
-    "test_speedrun.py",
-    "test_grpc_fuzz.py",
     "test_alerts_live.py",
-    "test_extras.py",
+    "test_rl_loop.py",
+    "test_speedrun.py",
     "test_eval_stack.py",
     "test_canary_live.py",
-    "test_viewer_browser.py",
+    "test_coordinator_service.py",
+    "test_retrieval_service.py",
+    "test_extras.py",
+    "test_worker_service.py",
+    "test_engine_prefix_cache.py",
+    "test_loadtest.py",
+    "test_stack_options.py",
+    "test_grpc_fuzz.py",
+    "test_specialists.py",
+    "test_trainer_grpo.py",
+    "test_http_fuzz.py",
 )
 
 
@@ -222,6 +229,16 @@ def toy_kit(tmp_path_factory, tiny_kit):
             )  # fmt: skip
             assert index.returncode == 0, index.stderr
             (root / "COMPLETE").touch()
+    if shared != tmp_path_factory.getbasetemp():
+        # A retrieval process locks its index's dense WAL: two workers' stacks serving one index
+        # would refuse each other ("Can't init WAL: WouldBlock"). Each worker serves its own copy
+        # (6 MB, milliseconds); within a worker the modules run one after another.
+        import shutil
+
+        own = tmp_path_factory.getbasetemp() / "toy-kit"
+        if not (own / "COMPLETE").exists():
+            shutil.copytree(root, own, dirs_exist_ok=True)
+        root = own
     return {"dir": root, "world": world}
 
 

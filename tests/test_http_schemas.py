@@ -312,3 +312,26 @@ def test_worker_reload_answers_a_schema_valid_path_it_cannot_load_with_403_or_40
     assert response.status_code == status, response.text
     doc = _call(app, "GET", "/openapi.json").json()
     assert str(status) in doc["paths"]["/admin/reload"]["post"]["responses"]
+
+
+def _keys(node, found: set[str]) -> set[str]:
+    if isinstance(node, dict):
+        found.update(node)
+        for value in node.values():
+            _keys(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            _keys(value, found)
+    return found
+
+
+def test_retrieval_documents_the_integer_docids_it_takes(retrieval_app):
+    # Found by the fuzzer under two workers: the bounds came after JSON_INTEGER, so the document
+    # said `ge: 0` (not JSON Schema: ignored) and a schema-valid docid -790 got a 422.
+    document = _call(retrieval_app, "GET", "/openapi.json").json()
+    docid = document["components"]["schemas"]["OpenBody"]["properties"]["docid"]
+    integer = next(branch for branch in docid["anyOf"] if branch.get("type") == "integer")
+    assert (integer["minimum"], integer["exclusiveMaximum"]) == (0, 2**63)
+    assert not _keys(document, set()) & {"ge", "gt", "le", "lt"}
+    assert _call(retrieval_app, "POST", "/open", json={"docid": -790}).status_code == 422
+    assert _call(retrieval_app, "POST", "/open", json={"docid": 790}).status_code == 404

@@ -1,11 +1,14 @@
-"""One training step for every layout (issue 16): `bcstack train grpo|sft` under `torchrun` at tp=2 and
+"""One training step for every layout (issue 16): `bcstack train grpo|sft` at tp=2 and
 at dp=2 (gloo, two CPU processes) against one process, and resuming at a layout other than the saver's.
 `bcstack train rl` under torchrun is in tests/test_rl_loop.py (its asynchronous run is at tp=2).
 
-Every run is the real command line: the torchrun jobs as `python -m torch.distributed.run`, each
-rank a fresh `python -m bcstack`; the one-process references as `bcstack` processes forked from one
-that has imported it (tests/stack_util.py `bcstack_forked`: the same command, ~8 s of imports
-fewer). The layouts add the same numbers in other orders (TP splits the matmuls' inner sums and
+Every run is the real command line. The tiny model's SFT and the refused layout run under torchrun
+(`python -m torch.distributed.run`, each rank a fresh `python -m bcstack`); the other two-rank runs
+start their ranks as torchrun would, one `bcstack` process per rank with the environment torchrun
+gives it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: all the trainer
+and `init_process_group`'s env:// read), forked from one that has imported bcstack
+(tests/stack_util.py `ForkedBcstack`: the same command, ~8 s of CPU in imports fewer per rank, and
+no launcher's 3 s). The one-process references are forked the same way. The layouts add the same numbers in other orders (TP splits the matmuls' inner sums and
 all-reduces the parts, dp=2 sums two ranks' gradients, the gradient norm sums 10^5 float32 squares
 per group), so results agree to rounding. Measured on this machine (2-core EPYC): losses within
 2.4e-7 relative, gradient norms within 5.3e-5 relative, weights after two AdamW steps within 1.6e-6
@@ -23,11 +26,13 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from stack_util import bcstack_forked, warm_forkserver
+from conftest import find_free_port
+from stack_util import ForkedBcstack, bcstack_forked, warm_forkserver
 
 from core.checkpoint import verify_checkpoint
 from trainer.checkpoint import load_model_state, step_dir_name
@@ -38,11 +43,43 @@ REL = {"loss": 1e-5, "grad_norm": 3e-4}
 GRPO_ARGS = ["--steps", "2", "--groups-per-step", "2", "--micro-batch-tokens", "600", "--lr", "1e-4"]
 
 
-def bcstack(args: list[str], *, ranks: int = 1, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    """`bcstack ARGS` as one process (forked, see the module's docstring), or under
-    `torchrun --nproc_per_node RANKS`."""
+def forked_ranks(args: list[str], ranks: int, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`bcstack ARGS` as `ranks` forked processes joined as torchrun joins its ranks; the ranks'
+    output in rank order. A rank that fails stops the others (torchrun's behaviour): one left
+    waiting in a collective for its dead peer would otherwise wait out gloo's 30 minutes."""
+    port = str(find_free_port())
+    procs = [
+        ForkedBcstack(args, env={
+            "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+        })
+        for r in range(ranks)
+    ]  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while any(p.proc.exitcode is None for p in procs) and time.monotonic() < deadline:
+        if any(p.proc.exitcode not in (None, 0) for p in procs):
+            time.sleep(2)  # the others' own error lines, if they have one to give
+            for p in procs:
+                if p.proc.exitcode is None:
+                    p.proc.kill()
+            break
+        time.sleep(0.05)
+    done = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+    code = next((d.returncode for d in done if d.returncode != 0), 0)
+    out = "".join(d.stdout for d in done)
+    err = "".join(d.stderr for d in done)
+    return subprocess.CompletedProcess(["bcstack", *args], code, out, err)
+
+
+def bcstack(
+    args: list[str], *, ranks: int = 1, timeout: int = 300, torchrun: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`bcstack ARGS` as one process or as `ranks` ranks forked (see the module's docstring), or
+    with `torchrun` under `torchrun --nproc_per_node RANKS`."""
     if ranks == 1:
         done = bcstack_forked(args, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
+    elif not torchrun:
+        done = forked_ranks(args, ranks, timeout)
     else:
         env = {
             **os.environ,
@@ -194,7 +231,7 @@ def grpo_runs(kits: dict[str, Path], records: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
-def test_grpo_under_torchrun_matches_one_process(grpo_runs: dict[str, Path], layout: str) -> None:
+def test_grpo_at_two_ranks_matches_one_process(grpo_runs: dict[str, Path], layout: str) -> None:
     assert_same_run(grpo_runs["one"], grpo_runs[layout], step=2)
     # Rank 0 alone wrote the metrics: one line per step, not one per rank.
     assert [m["step"] for m in steps(grpo_runs[layout])] == [1, 2]
@@ -247,7 +284,7 @@ def chat(kits: dict[str, Path]) -> Path:
     return path
 
 
-def test_grpo_of_the_wider_model_under_torchrun_matches_one_process(
+def test_grpo_of_the_wider_model_at_two_ranks_matches_one_process(
     kits: dict[str, Path], records: Path
 ) -> None:
     runs = grpo_layouts(kits, records, "wide")
@@ -256,11 +293,11 @@ def test_grpo_of_the_wider_model_under_torchrun_matches_one_process(
 
 
 @pytest.mark.parametrize("kit", ["tiny", "wide"])
-def test_sft_under_torchrun_matches_one_process(kits: dict[str, Path], chat: Path, kit: str) -> None:
+def test_sft_at_two_ranks_matches_one_process(kits: dict[str, Path], chat: Path, kit: str) -> None:
     outs = {}
     for name, ranks, tp in (("one", 1, 1), ("tp2", 2, 2), ("dp2", 2, 1)):
         outs[name] = kits["root"] / f"sft-{kit}-{name}"
-        bcstack(sft_args(kits[kit], chat, outs[name], tp), ranks=ranks)
+        bcstack(sft_args(kits[kit], chat, outs[name], tp), ranks=ranks, torchrun=kit == "tiny")
     for layout in ("tp2", "dp2"):
         assert_same_run(outs["one"], outs[layout], step=2)
 

@@ -137,6 +137,10 @@ class Layout:
     def close(self) -> None:
         """Leave the torchrun job cleanly (destroys the process group; nothing for one process)."""
         if self.env.world_size > 1 and dist.is_initialized():
+            # Every rank past its last collective before any tears down: a gloo rank that destroyed
+            # its group and exited while its peer was still in one killed the peer with
+            # "terminate called without an active exception" (SIGABRT), once in a two-worker suite.
+            dist.barrier()
             dist.destroy_process_group()
 
 

@@ -39,6 +39,7 @@ def generate(
 
     from rich.console import Console
 
+    from core.kit.cli import fail
     from devkit.toyworld.generator import ToyWorldError, generate_world, write_world
 
     console = Console(stderr=True)
@@ -55,8 +56,7 @@ def generate(
             )
             write_world(world, out)
     except ToyWorldError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from None
+        fail(str(e))  # one unwrapped line: rich would fold a long path across lines
     m = world.manifest()
     tiers = ", ".join(f"{k} {v}" for k, v in m["test_tiers"].items())
     console.print(

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.kit.grpc_server import GrpcServer
-from core.kit.http import JsonInt, create_app
+from core.kit.http import JSON_INTEGER, JsonInt, create_app
 from core.kit.metrics import new_registry
 from core.v1 import retrieval_pb2, retrieval_pb2_grpc
 from services.retrieval.core import (
@@ -74,7 +74,9 @@ class SearchBody(BaseModel):
 
 
 # An integer docid is looked up as its decimal text; past 2**63 no corpus has one (404 either way).
-IntDocid = Annotated[JsonInt, Interval(ge=0, lt=2**63)]
+# The bounds before JSON_INTEGER (core/kit/http.py): after it, the schema carried `ge`/`lt`, which are
+# not JSON Schema, so the OpenAPI document allowed the negative docids the server refuses.
+IntDocid = Annotated[int, Interval(ge=0, lt=2**63), JSON_INTEGER]
 
 
 class OpenBody(BaseModel):
