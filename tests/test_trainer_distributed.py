@@ -8,7 +8,8 @@ start their ranks as torchrun would, one `bcstack` process per rank with the env
 gives it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: all the trainer
 and `init_process_group`'s env:// read), forked from one that has imported bcstack
 (tests/stack_util.py `ForkedBcstack`: the same command, ~8 s of CPU in imports fewer per rank, and
-no launcher's 3 s). The one-process references are forked the same way. The layouts add the same numbers in other orders (TP splits the matmuls' inner sums and
+no launcher's 3 s). The one-process references are forked the same way.
+The layouts add the same numbers in other orders (TP splits the matmuls' inner sums and
 all-reduces the parts, dp=2 sums two ranks' gradients, the gradient norm sums 10^5 float32 squares
 per group), so results agree to rounding. Measured on this machine (2-core EPYC): losses within
 2.4e-7 relative, gradient norms within 5.3e-5 relative, weights after two AdamW steps within 1.6e-6
