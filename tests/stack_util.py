@@ -21,11 +21,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
-from conftest import wait_until
+from conftest import find_free_port, wait_until
 
 
 class BcstackProcess:
@@ -284,3 +285,36 @@ def bcstack_forked(
 ) -> subprocess.CompletedProcess:
     """Run `bcstack ARGS` (or `python -m MODULE ARGS`) to its end as a forked process (`ForkedBcstack`)."""
     return ForkedBcstack(args, env, module).wait(timeout)
+
+
+def bcstack_ranks(
+    args: Sequence[str], ranks: int, *, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """`bcstack ARGS` as `ranks` forked processes (`ForkedBcstack`, `env` added) joined as
+    `torchrun --standalone --nproc_per_node RANKS` joins its ranks: each gets the environment torchrun
+    gives a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, all that
+    the trainer and `init_process_group`'s env:// read). The ranks' output in rank order; the exit
+    status is the first failing rank's. A rank that fails stops the others (torchrun's behaviour):
+    one left waiting in a collective for its dead peer would wait out gloo's 30 minutes."""
+    port = str(find_free_port())
+    procs = [
+        ForkedBcstack(args, env={
+            **(env or {}), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+        })
+        for r in range(ranks)
+    ]  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while any(p.proc.exitcode is None for p in procs) and time.monotonic() < deadline:
+        if any(p.proc.exitcode not in (None, 0) for p in procs):
+            time.sleep(2)  # the others' own error lines, if they have one to give
+            for p in procs:
+                if p.proc.exitcode is None:
+                    p.proc.kill()
+            break
+        time.sleep(0.05)
+    done = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+    code = next((d.returncode for d in done if d.returncode != 0), 0)
+    out = "".join(d.stdout for d in done)
+    err = "".join(d.stderr for d in done)
+    return subprocess.CompletedProcess(["bcstack", *args], code, out, err)

@@ -1,7 +1,7 @@
 """`bcstack train rl` end to end on the CPU: a `bcstack up` stack whose worker is the tiny model
 SFT'd on one expert episode, with the stack's own scripted coordinator (it finishes with what its
 worker reported) and rule judge; one update raises a correct trajectory the run never saw, two
-updates synchronous and asynchronous (under torchrun at tp=2), judge faults, time limits, kill -9 at
+updates synchronous and asynchronous (two ranks at tp=2), judge faults, time limits, kill -9 at
 each phase followed by --resume, and a worker replica that dies.
 
 The worker is SFT'd (80 steps) on two copies of one expert episode that differ only in the answer
@@ -10,19 +10,17 @@ worker's default) it follows the episode and writes either answer about half the
 reward is the judge's verdict on the answer the worker itself wrote, and a group of a few episodes
 usually holds both. The untrained tiny model never answers: every group would end alike.
 
-Every `bcstack train rl` but the torchrun one is forked from a process that has imported it
-(`stack_util.bcstack_forked`): a process of its own, exit status and SIGKILL included, without the
-~8 s of imports each. For the fault test a second judge grades with an LLM grader stand-in that
-returns garbage for one of the run's two questions."""
+Every `bcstack train rl` is forked from a process that has imported it (`stack_util.bcstack_forked`;
+the two-rank one as two ranks with torchrun's environment, `stack_util.bcstack_ranks`: torchrun
+itself is run in tests/test_trainer_distributed.py): a process of its own, exit status and SIGKILL
+included, without the ~8 s of imports each. For the fault test a second judge grades with an LLM
+grader stand-in that returns garbage for one of the run's two questions."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +32,7 @@ import torch
 import uvicorn
 from conftest import find_free_port, wait_until
 from fake_openai import Reply, ScriptedLLM, completion, serving_uvicorn
-from stack_util import ForkedBcstack, bcstack_forked, bcstack_process, warm_forkserver
+from stack_util import ForkedBcstack, bcstack_forked, bcstack_process, bcstack_ranks, warm_forkserver
 
 from bcstack.stack import down, setting_flags, up
 from core.records import EpisodeRecord
@@ -184,12 +182,9 @@ def train_rl(stack: dict, out: str, *args: str, env: dict[str, str] | None = Non
     return bcstack_forked(rl_args(stack, out, *args), env={**ONE_THREAD, **(env or {})}, timeout=timeout)
 
 
-def torchrun_rl(stack: dict, out: str, *args: str, ranks: int, timeout: float = 300):
-    """`bcstack train rl` under `torchrun --nproc_per_node RANKS` (gloo)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    command += ["-m", "bcstack", *rl_args(stack, out, *args)]
-    env = {**os.environ, **ONE_THREAD}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+def ranks_rl(stack: dict, out: str, *args: str, ranks: int, timeout: float = 300):
+    """`bcstack train rl` as RANKS ranks joined as torchrun joins them (stack_util.bcstack_ranks, gloo)."""
+    return bcstack_ranks(rl_args(stack, out, *args), ranks, env=ONE_THREAD, timeout=timeout)
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
@@ -264,7 +259,7 @@ def test_one_update_on_the_judges_grades_of_the_workers_answers_raises_a_correct
     assert wrong[1] < wrong[0], wrong
 
 
-# The asynchronous run is also the torchrun one: two ranks at tp=2, rank 0 running the loop (issue 16).
+# The asynchronous run is also the two-rank one: tp=2, rank 0 running the loop (issue 16).
 @pytest.mark.parametrize(("lag", "ranks"), [(0, 1), (1, 2)])
 def test_two_updates_train_reload_and_respect_the_staleness_bound(
     rl_stack: dict, lag: int, ranks: int
@@ -276,7 +271,7 @@ def test_two_updates_train_reload_and_respect_the_staleness_bound(
             "--eval-every", "2", "--eval-questions", str(rl_stack["held_out"]), "--report-to", "tensorboard",
         ]  # fmt: skip
     if ranks > 1:
-        done = torchrun_rl(rl_stack, f"lag{lag}", *args, "--tp", str(ranks), ranks=ranks)
+        done = ranks_rl(rl_stack, f"lag{lag}", *args, "--tp", str(ranks), ranks=ranks)
     else:
         done = train_rl(rl_stack, f"lag{lag}", *args)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -7,7 +7,7 @@ Every run is the real command line. The tiny model's SFT and the refused layout 
 start their ranks as torchrun would, one `bcstack` process per rank with the environment torchrun
 gives it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: all the trainer
 and `init_process_group`'s env:// read), forked from one that has imported bcstack
-(tests/stack_util.py `ForkedBcstack`: the same command, ~8 s of CPU in imports fewer per rank, and
+(tests/stack_util.py `bcstack_ranks`: the same command, ~8 s of CPU in imports fewer per rank, and
 no launcher's 3 s). The one-process references are forked the same way.
 The layouts add the same numbers in other orders (TP splits the matmuls' inner sums and
 all-reduces the parts, dp=2 sums two ranks' gradients, the gradient norm sums 10^5 float32 squares
@@ -27,13 +27,11 @@ import random
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import find_free_port
-from stack_util import ForkedBcstack, bcstack_forked, warm_forkserver
+from stack_util import bcstack_forked, bcstack_ranks, warm_forkserver
 
 from core.checkpoint import verify_checkpoint
 from trainer.checkpoint import load_model_state, step_dir_name
@@ -44,34 +42,6 @@ REL = {"loss": 1e-5, "grad_norm": 3e-4}
 GRPO_ARGS = ["--steps", "2", "--groups-per-step", "2", "--micro-batch-tokens", "600", "--lr", "1e-4"]
 
 
-def forked_ranks(args: list[str], ranks: int, timeout: float) -> subprocess.CompletedProcess[str]:
-    """`bcstack ARGS` as `ranks` forked processes joined as torchrun joins its ranks; the ranks'
-    output in rank order. A rank that fails stops the others (torchrun's behaviour): one left
-    waiting in a collective for its dead peer would otherwise wait out gloo's 30 minutes."""
-    port = str(find_free_port())
-    procs = [
-        ForkedBcstack(args, env={
-            "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks),
-            "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-        })
-        for r in range(ranks)
-    ]  # fmt: skip
-    deadline = time.monotonic() + timeout
-    while any(p.proc.exitcode is None for p in procs) and time.monotonic() < deadline:
-        if any(p.proc.exitcode not in (None, 0) for p in procs):
-            time.sleep(2)  # the others' own error lines, if they have one to give
-            for p in procs:
-                if p.proc.exitcode is None:
-                    p.proc.kill()
-            break
-        time.sleep(0.05)
-    done = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
-    code = next((d.returncode for d in done if d.returncode != 0), 0)
-    out = "".join(d.stdout for d in done)
-    err = "".join(d.stderr for d in done)
-    return subprocess.CompletedProcess(["bcstack", *args], code, out, err)
-
-
 def bcstack(
     args: list[str], *, ranks: int = 1, timeout: int = 300, torchrun: bool = False
 ) -> subprocess.CompletedProcess[str]:
@@ -80,7 +50,7 @@ def bcstack(
     if ranks == 1:
         done = bcstack_forked(args, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
     elif not torchrun:
-        done = forked_ranks(args, ranks, timeout)
+        done = bcstack_ranks(args, ranks, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
     else:
         env = {
             **os.environ,
