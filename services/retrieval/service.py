@@ -73,10 +73,12 @@ class SearchBody(BaseModel):
     k: JsonInt = Field(10, description="at most max_k", **_limits(minimum=1, maximum=1000))
 
 
-# An integer docid is looked up as its decimal text; past 2**63 no corpus has one (404 either way).
-# The bounds before JSON_INTEGER (core/kit/http.py): after it, the schema carried `ge`/`lt`, which are
-# not JSON Schema, so the OpenAPI document allowed the negative docids the server refuses.
-IntDocid = Annotated[int, Interval(ge=0, lt=2**63), JSON_INTEGER]
+# An integer docid is looked up as its decimal text. Its range is I-JSON's interoperable integers
+# (RFC 7493 section 2.2: at most 2**53 - 1): past that a client's JSON parser may round it to a
+# double, and schema tools do (schemathesis sent 2**63 + 190 as "below 2**63"). The bounds go before
+# JSON_INTEGER (core/kit/http.py): after it, the schema carried `ge`/`le`, which are not JSON Schema,
+# so the OpenAPI document allowed the negative docids the server refuses.
+IntDocid = Annotated[int, Interval(ge=0, le=2**53 - 1), JSON_INTEGER]
 
 
 class OpenBody(BaseModel):
