@@ -1,7 +1,7 @@
 """The long version of tests/test_http_fuzz.py: schemathesis, every check, against every service's
 HTTP API, with a report.
 
-    python bench/fuzz_http.py [--cases 10000] [--episodes 40] [--services judge,engine] [--seed N]
+    python bench/fuzz_http.py [--cases 10000] [--episodes 40] [--services judge,engine] [--seed N] [--jobs 2]
                               [--kit DIR] [--results FILE] [--dirty-ok]
 
 Starts the fuzz stack (`devkit.fuzzstack`, as the test suite does: the six services, a second
@@ -22,7 +22,10 @@ Without --seed every run draws new cases (the test uses a fixed seed).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
+import multiprocessing
+import os
 import random
 import subprocess
 import sys
@@ -54,6 +57,11 @@ def build_kit(root: Path) -> None:
     )  # fmt: skip
 
 
+def _runs(seeds: list[int]) -> str:
+    """The schemathesis runs of one service: how many, and their seeds' range."""
+    return f"{len(seeds)} (seeds {min(seeds)}-{max(seeds)})" if seeds else "0"
+
+
 def checks_run() -> list[str]:
     """Every check schemathesis has: all are on."""
     from schemathesis.checks import CHECKS, load_all_checks
@@ -70,6 +78,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None, help="fixed seed (default: new draws)")
     parser.add_argument("--kit", type=Path, default=None, help="an existing toy kit (world/, tiny/, idx/)")
     parser.add_argument("--results", type=Path, default=None, help="report file (default bench/results/)")
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="services fuzzed at once"
+    )
     parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
     services = [s for s in args.services.split(",") if s]
@@ -91,14 +102,25 @@ def main() -> int:
             build_kit(kit)
             print(f"  toy kit built in {time.perf_counter() - started:.0f} s")
         reports = []
-        with started_stack(kit, Path(tmp) / "work", timeout=600) as stack:
-            for service in services:
-                slow = {"POST /v1/episodes": args.episodes} if service == "coordinator" else None
-                report = fuzz_service(
-                    service, stack.urls[service], examples=1, cases=args.cases, examples_for=slow, seed=seed
+        with (
+            started_stack(kit, Path(tmp) / "work", timeout=600) as stack,
+            concurrent.futures.ProcessPoolExecutor(
+                args.jobs, mp_context=multiprocessing.get_context("spawn")
+            ) as pool,
+        ):
+            # Each service in its own process: the client's Hypothesis draws are the bound (one core each).
+            futures = [
+                pool.submit(
+                    fuzz_service, service, stack.urls[service], examples=1, cases=args.cases,
+                    examples_for={"POST /v1/episodes": args.episodes} if service == "coordinator" else None,
+                    seed=seed,
                 )
+                for service in services
+            ]  # fmt: skip
+            for future in concurrent.futures.as_completed(futures):
+                report = future.result()
                 reports.append(report)
-                print(f"\n{service}: {report.total} cases in {report.seconds:.1f} s, "
+                print(f"\n{report.service}: {report.total} cases in {report.seconds:.1f} s, "
                       f"{len(report.unique_failures())} distinct problem(s)")  # fmt: skip
                 for (operation, phase), n in sorted(report.cases.items()):
                     print(f"  {operation:40s} {phase:28s} {n:6d}")
@@ -106,6 +128,7 @@ def main() -> int:
                     print(f"  PROBLEM {problem}", flush=True)
 
     cases_rows, status_rows, problem_rows, accepted_rows = [], [], [], []
+    reports.sort(key=lambda r: services.index(r.service))
     for r in reports:
         for (operation, phase), n in sorted(r.cases.items()):
             cases_rows.append([r.service, operation, phase, n])
@@ -120,13 +143,13 @@ def main() -> int:
             problem_rows.append([r.service, p.operation, p.check, p.message.strip().split("\n")[0][:200]])
         accepted_rows += [[r.service, operation, n] for operation, n in sorted(r.accepted.items())]
     summary = [
-        [r.service, len(r.operations), r.total, len(r.failures), round(r.seconds, 1), r.seeds]
-        for r in reports
+        [r.service, len(r.operations), r.total, len(r.failures), round(r.seconds, 1), _runs(r.seeds)]
+        for r in sorted(reports, key=lambda r: services.index(r.service))
     ]
     path = write_results(
         "fuzz_http",
         [
-            Table("Per service", ["service", "operations", "cases", "problems", "seconds", "seeds"], summary),
+            Table("Per service", ["service", "operations", "cases", "problems", "seconds", "runs"], summary),
             Table("Cases per operation and phase", ["service", "operation", "phase", "cases"], cases_rows),
             Table("Status codes seen", ["service", "operation", "status: count"], status_rows),
             Table(
