@@ -14,7 +14,8 @@ SGLang's message) or `EngineUnavailable` (no answer, a timeout, or 5xx after the
 Admin routes (`ADMIN_ROUTES`: update_weights_from_disk, pause/continue, flush_cache) send
 `admin_token`: a real SGLang server checks it as `--admin-api-key`, the CPU engine as its
 `--admin-api-key` (or `BCSTACK_ADMIN_TOKEN`). Every other route sends `api_key` (SGLang's
-`--api-key`) when one is set. No token is ever logged: messages carry routes and statuses only.
+`--api-key`), else the admin token. No token is ever logged: messages carry routes and statuses
+only.
 """
 
 from __future__ import annotations
@@ -219,7 +220,10 @@ class EngineClient:
     # --- transport -------------------------------------------------------------------------------
 
     def _headers(self, admin: bool) -> dict[str, str]:
-        token = (self.admin_token or self.api_key) if admin else self.api_key
+        # The chart gives SGLang one token as both --api-key and --admin-api-key (0.5.19 serves its
+        # arguments, the admin key among them, at GET /server_info unless --api-key guards it), so a
+        # client holding only the admin token sends it on every route.
+        token = (self.admin_token or self.api_key) if admin else (self.api_key or self.admin_token)
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def _send(self, route: str, body: dict[str, Any] | None) -> httpx.Response:

@@ -135,8 +135,10 @@ class ReloadManager:
         metrics: ReloadMetrics | None = None,
         *,
         verify: Callable[..., Any] | None = None,
+        pause_limit_s: float = 240.0,
     ) -> None:
         self.engine = engine
+        self.pause_limit_s = pause_limit_s
         self.checkpoint_root = checkpoint_root
         self.metrics = metrics or ReloadMetrics()
         self._verify = verify
@@ -240,13 +242,16 @@ class ReloadManager:
                 notes.append(
                     "prefix cache not flushed: requests were in flight (their turns record both versions)"
                 )
-            ok, message = await self.engine.update_weights_from_disk(
-                str(path), weight_version=version, flush_cache=False
-            )
+            async with asyncio.timeout(self.pause_limit_s):
+                ok, message = await self.engine.update_weights_from_disk(
+                    str(path), weight_version=version, flush_cache=False
+                )
             if not ok:
                 failure = f"engine refused the weights (old weights keep serving): {message}"
         except EngineError as e:
             failure = f"engine error during the reload: {e}"
+        except TimeoutError:
+            failure = f"the engine did not load the weights within {self.pause_limit_s:g} s"
         finally:
             try:
                 await self.engine.continue_generation()
