@@ -162,8 +162,12 @@ def test_a_refused_update_leaves_label_and_weights_on_the_old_version(setup) -> 
         assert not any(turn.version_spans for turn in trajectory.turns)
 
 
-def test_an_engine_killed_between_pause_and_continue_comes_back_on_its_start_up_weights(setup) -> None:
+def test_an_engine_killed_between_pause_and_continue_comes_back_on_its_start_up_weights(
+    setup, caplog
+) -> None:
+    caplog.set_level("DEBUG")
     out = _reload_under_load(setup, "b1", kill=True)
+    assert "reload of b1 failed" in caplog.text and TOKEN not in caplog.text  # sent, never logged
     failed = out["answer"]
     assert isinstance(failed, ReloadRefused) and failed.status == 502
     assert "reports weight_version 'default' after the reload, not 'b1'" in failed.error
@@ -181,3 +185,32 @@ def test_an_engine_killed_between_pause_and_continue_comes_back_on_its_start_up_
         assert not any(turn.version_spans for turn in trajectory.turns)
         restarted += "default" in versions
     assert restarted >= 1
+
+
+def test_readiness_holds_through_the_workers_own_reload_only(tmp_path) -> None:
+    """GET /ready (the pod's readiness in the chart): the engine's /health_generate decides, except
+    while this worker's reload has generation paused, when SGLang's health routes would fail."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from services.worker.service import add_ready_route
+
+    class Engine:
+        healthy, slow = True, False
+
+        async def health_generate(self) -> bool:
+            if self.slow:
+                await asyncio.sleep(5)
+            return self.healthy
+
+    engine, app = Engine(), FastAPI()
+    manager = ReloadManager(engine, tmp_path)  # type: ignore[arg-type]
+    add_ready_route(app, engine, manager, timeout_s=0.2)
+    with TestClient(app) as http:
+        assert http.get("/ready").status_code == 200
+        engine.healthy = False
+        assert http.get("/ready").status_code == 503
+        manager.in_progress = True  # paused by our own reload: still ready
+        assert http.get("/ready").json() == {"status": "reloading"}
+        manager.in_progress, engine.healthy, engine.slow = False, True, True
+        assert http.get("/ready").status_code == 503  # no answer within the probe's budget
