@@ -13,9 +13,9 @@ SGLang's message) or `EngineUnavailable` (no answer, a timeout, or 5xx after the
 
 Admin routes (`ADMIN_ROUTES`: update_weights_from_disk, pause/continue, flush_cache) send
 `admin_token`: a real SGLang server checks it as `--admin-api-key`, the CPU engine as its
-`--admin-api-key` (or `BCSTACK_ADMIN_TOKEN`). Every other route sends `api_key` (SGLang's
-`--api-key`), else the admin token. No token is ever logged: messages carry routes and statuses
-only.
+`admin_api_key` (`BCSTACK_ENGINE_ADMIN_API_KEY`, else `BCSTACK_ADMIN_TOKEN`). Every other route
+sends `api_key` (SGLang's `--api-key`), else the admin token. No token is ever logged: messages
+carry routes and statuses only.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ full.
 
 Auth: SGLang marks the weight, pause, flush and abort routes `ADMIN_OPTIONAL` (guarded by
 `--admin-api-key` when one is set, open otherwise, `srt/utils/auth.py`). Here they take
-`--admin-api-key` (`admin_api_key`), else `BCSTACK_ADMIN_TOKEN`; the stack's rule is stricter than
+`admin_api_key` (`BCSTACK_ENGINE_ADMIN_API_KEY`: secrets have no CLI option), else
+`BCSTACK_ADMIN_TOKEN`; the stack's rule is stricter than
 SGLang's (DESIGN.md §8): with neither they are disabled (403), never open, and a wrong key is 403
 where SGLang says 401. `api_key` (SGLang's `--api-key`) guards every other route except /health*,
 /metrics.
