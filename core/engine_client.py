@@ -2,18 +2,20 @@
 server or to the CPU engine (`bcstack serve engine`) that serves the same subset.
 
 This is the one module of the stack that knows SGLang's field names; everything else speaks
-`GenerateResult`. The names are listed below (`*_FIELDS`) and `tests/test_engine.py` checks them
-against the pinned SGLang release (see `services/engine/__init__.py`): request bodies are built
-from these names only and responses are read through them only.
+`GenerateResult`. The names are listed below (`*_FIELDS`, `ROUTES`) and tests/test_sglang_contract.py
+checks them against SGLang's own source, for the pinned release and the newest one: request bodies
+are built from these names only and responses are read through them only.
 
 Transport: one pooled `httpx.AsyncClient` per client (made on first use, inside the running event
 loop); connection failures and 5xx answers are retried with exponential backoff and jitter
 (tenacity), a 4xx never is. Failures surface as `EngineError` (the engine refused: status and
 SGLang's message) or `EngineUnavailable` (no answer, a timeout, or 5xx after the retries).
 
-Admin routes (update_weights_from_disk, pause/continue, flush_cache) send `admin_token`: a real
-SGLang server checks it as `--admin-api-key`, the CPU engine as `BCSTACK_ADMIN_TOKEN`. Every
-other route sends `api_key` (SGLang's `--api-key`) when one is set.
+Admin routes (`ADMIN_ROUTES`: update_weights_from_disk, pause/continue, flush_cache) send
+`admin_token`: a real SGLang server checks it as `--admin-api-key`, the CPU engine as its
+`admin_api_key` (`BCSTACK_ENGINE_ADMIN_API_KEY`, else `BCSTACK_ADMIN_TOKEN`). Every other route
+sends `api_key` (SGLang's `--api-key`), else the admin token. No token is ever logged: messages
+carry routes and statuses only.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_ran
 
 log = logging.getLogger(__name__)
 
-# --- SGLang's names (sgl-project/sglang, srt/managers/io_struct.py, srt/sampling/sampling_params.py,
-# srt/entrypoints/http_server.py, srt/managers/tokenizer_manager.py) --------------------------------
+# --- SGLang's names ---------------------------------------------------------------------------------
+# Every name below is checked against the source of each SGLang version the stack targets (the pin,
+# `charts/bcstack/values.yaml` worker.engine.image.tag, and the newest release) by
+# tests/test_sglang_contract.py (devkit.sglang): a rename upstream fails that test naming the line
+# here and the line there.
 GENERATE_FIELDS = ("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "stream")
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed")
 RESPONSE_FIELDS = ("text", "output_ids", "meta_info")
@@ -39,10 +44,15 @@ META_INFO_FIELDS = (
     "prompt_tokens",
     "completion_tokens",
     "weight_version",
+    "weight_versions",
     "e2e_latency",
     "input_token_logprobs",
     "output_token_logprobs",
 )
+# meta_info["weight_versions"]: which weight version generated which output tokens, as spans
+# (`utils/weight_versions.py`, add_weight_versions_to_meta_info); more than one span when weights
+# were swapped while the request ran (an in-place pause keeps it in the running batch).
+VERSION_SPAN_FIELDS = ("version", "start", "end")
 FINISH_REASON_FIELDS = ("type", "matched", "length", "message")
 FINISH_TYPES = ("stop", "length", "abort")
 UPDATE_WEIGHTS_FIELDS = ("model_path", "weight_version", "load_format", "abort_all_requests", "flush_cache")
@@ -50,19 +60,21 @@ UPDATE_WEIGHTS_RESPONSE_FIELDS = ("success", "message", "num_paused_requests")
 PAUSE_FIELDS = ("mode",)
 PAUSE_MODES = ("abort", "retract", "in_place")
 MODEL_INFO_FIELDS = ("model_path", "tokenizer_path", "is_generation", "weight_version")
-WEIGHT_VERSION_FIELDS = ("weight_version",)
 ERROR_FIELDS = ("error", "message")  # 400 bodies: {"error": {"message": ...}}
-ROUTES = {
-    "generate": "/generate",
-    "health": "/health",
-    "health_generate": "/health_generate",
-    "model_info": "/get_model_info",
-    "weight_version": "/get_weight_version",
-    "flush_cache": "/flush_cache",
-    "pause_generation": "/pause_generation",
-    "continue_generation": "/continue_generation",
-    "update_weights_from_disk": "/update_weights_from_disk",
+# name -> (method, path). /model_info, not /get_model_info (a deprecated alias that logs a warning per
+# call) nor /get_weight_version (404 "deprecated" in 0.5.19, gone in 0.5.23).
+ROUTES: dict[str, tuple[str, str]] = {
+    "generate": ("POST", "/generate"),
+    "health": ("GET", "/health"),
+    "health_generate": ("GET", "/health_generate"),
+    "model_info": ("GET", "/model_info"),
+    "flush_cache": ("POST", "/flush_cache"),
+    "pause_generation": ("POST", "/pause_generation"),
+    "continue_generation": ("POST", "/continue_generation"),
+    "update_weights_from_disk": ("POST", "/update_weights_from_disk"),
 }
+# The routes that take the admin key (SGLang's ADMIN_OPTIONAL ones).
+ADMIN_ROUTES = ("flush_cache", "pause_generation", "continue_generation", "update_weights_from_disk")
 (
     _INPUT_IDS,
     _SAMPLING,
@@ -72,9 +84,18 @@ ROUTES = {
 ) = GENERATE_FIELDS
 _MAX_NEW, _TEMPERATURE, _TOP_P, _TOP_K, _STOP_IDS, _SEED = SAMPLING_FIELDS
 _TEXT, _OUTPUT_IDS, _META = RESPONSE_FIELDS
-_ID, _FINISH, _PROMPT_TOKENS, _COMPLETION_TOKENS, _WEIGHT_VERSION, _LATENCY, _INPUT_LP, _OUTPUT_LP = (
-    META_INFO_FIELDS
-)
+(
+    _ID,
+    _FINISH,
+    _PROMPT_TOKENS,
+    _COMPLETION_TOKENS,
+    _WEIGHT_VERSION,
+    _WEIGHT_VERSIONS,
+    _LATENCY,
+    _INPUT_LP,
+    _OUTPUT_LP,
+) = META_INFO_FIELDS
+_SPAN_VERSION, _SPAN_START, _SPAN_END = VERSION_SPAN_FIELDS
 _TYPE, _MATCHED, _LENGTH, _MESSAGE = FINISH_REASON_FIELDS
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -113,6 +134,9 @@ class GenerateResult:
     latency_s: float  # the engine's e2e_latency when it reports one, else the client's round trip
     rid: str | None = None
     abort_message: str | None = None
+    # (version, start, end) over output_ids when more than one version generated them (a reload
+    # while the request ran); empty when one version made them all (`weight_version`).
+    version_spans: tuple[tuple[str, int, int], ...] = ()
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -196,22 +220,21 @@ class EngineClient:
     # --- transport -------------------------------------------------------------------------------
 
     def _headers(self, admin: bool) -> dict[str, str]:
-        token = (self.admin_token or self.api_key) if admin else self.api_key
+        # The chart gives SGLang one token as both --api-key and --admin-api-key (0.5.19 serves its
+        # arguments, the admin key among them, at GET /server_info unless --api-key guards it), so a
+        # client holding only the admin token sends it on every route.
+        token = (self.admin_token or self.api_key) if admin else (self.api_key or self.admin_token)
         return {"Authorization": f"Bearer {token}"} if token else {}
 
-    async def _send(
-        self, method: str, route: str, body: dict[str, Any] | None, admin: bool
-    ) -> httpx.Response:
+    async def _send(self, route: str, body: dict[str, Any] | None) -> httpx.Response:
+        method, path = ROUTES[route]
+        headers = self._headers(route in ADMIN_ROUTES)
         try:
-            response = await self.client.request(
-                method, ROUTES[route], json=body, headers=self._headers(admin)
-            )
+            response = await self.client.request(method, path, json=body, headers=headers)
         except httpx.TimeoutException as e:
-            raise EngineUnavailable(
-                None, f"{self.base_url}{ROUTES[route]}: timed out ({type(e).__name__})"
-            ) from e
+            raise EngineUnavailable(None, f"{self.base_url}{path}: timed out ({type(e).__name__})") from e
         except httpx.TransportError as e:
-            raise EngineUnreachable(None, f"{self.base_url}{ROUTES[route]}: {type(e).__name__}: {e}") from e
+            raise EngineUnreachable(None, f"{self.base_url}{path}: {type(e).__name__}: {e}") from e
         if response.status_code == 503:
             raise EngineUnreachable(response.status_code, _message_of(response))
         if response.status_code >= 500:
@@ -220,11 +243,9 @@ class EngineClient:
 
     async def _request(
         self,
-        method: str,
         route: str,
         body: dict[str, Any] | None = None,
         *,
-        admin: bool = False,
         ok_statuses: tuple[int, ...] = (200,),
         retry: bool = True,
     ) -> httpx.Response:
@@ -245,12 +266,15 @@ class EngineClient:
             stop=stop,
             wait=wait_random_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
             before_sleep=lambda state: log.warning(
-                "engine %s%s failed (%s); retrying", self.base_url, ROUTES[route], state.outcome.exception()
+                "engine %s%s failed (%s); retrying",
+                self.base_url,
+                ROUTES[route][1],
+                state.outcome.exception(),
             ),
             reraise=True,
         ):
             with attempt:
-                response = await self._send(method, route, body, admin)
+                response = await self._send(route, body)
         assert response is not None
         if response.status_code not in ok_statuses:
             raise EngineError(response.status_code, _message_of(response))
@@ -285,7 +309,7 @@ class EngineClient:
             _STREAM: False,
         }
         started = time.perf_counter()
-        response = await self._request("POST", "generate", body)
+        response = await self._request("generate", body)
         return self._result(response.json(), return_logprob, time.perf_counter() - started)
 
     def _result(self, payload: Any, return_logprob: bool, round_trip_s: float) -> GenerateResult:
@@ -302,6 +326,10 @@ class EngineClient:
             raw_ids = payload.get(_OUTPUT_IDS)
             output_ids = [int(t) for t in (raw_ids if raw_ids is not None else [e[1] for e in triples])]
             latency = meta.get(_LATENCY)
+            spans = tuple(
+                (str(s[_SPAN_VERSION]), int(s[_SPAN_START]), int(s[_SPAN_END]))
+                for s in meta.get(_WEIGHT_VERSIONS) or ()
+            )
             return GenerateResult(
                 output_ids=output_ids,
                 text=str(payload.get(_TEXT, "")),
@@ -314,16 +342,19 @@ class EngineClient:
                 latency_s=float(latency) if latency is not None else round_trip_s,
                 rid=meta.get(_ID),
                 abort_message=finish.get(_MESSAGE) if kind == "abort" else None,
+                version_spans=spans if len({v for v, _, _ in spans}) > 1 else (),
             )
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise EngineError(200, f"unexpected /generate answer: {type(e).__name__}: {e}") from None
 
     async def score(self, input_ids: list[int], start: int = 0) -> list[float | None]:
-        """log p(token_i | tokens before it) for input tokens `start`.. (position 0 has none: None).
+        """One entry per input token from `start`: None for the token at `start` (SGLang scores
+        no token at `logprob_start_len`, `_process_input_token_logprobs`), then
+        log p(token_i | tokens before it).
 
-        `max_new_tokens` 0 with `logprob_start_len` = `start`: SGLang's prompt scoring (teacher
-        log-probs of a student's response for on-policy distillation: `start` = the response's first
-        position, so only the response is scored).
+        `max_new_tokens` 0 with `logprob_start_len` = `start`: SGLang's prompt scoring. To score a
+        response that begins at position P (teacher log-probs of a student's tokens, on-policy
+        distillation), ask from `start = P - 1` and drop the leading None.
         """
         if not 0 <= start < len(input_ids):
             raise ValueError(f"start {start} outside the {len(input_ids)} input tokens")
@@ -334,7 +365,7 @@ class EngineClient:
             _LOGPROB_START: start,
             _STREAM: False,
         }
-        payload = (await self._request("POST", "generate", body)).json()
+        payload = (await self._request("generate", body)).json()
         try:
             entries = payload[_META][_INPUT_LP]
             values = [None if e[0] is None else float(e[0]) for e in entries]
@@ -349,16 +380,18 @@ class EngineClient:
     # --- info and health -------------------------------------------------------------------------
 
     async def model_info(self) -> dict[str, Any]:
-        info = (await self._request("GET", "model_info")).json()
+        info = (await self._request("model_info")).json()
         return {key: info.get(key) for key in MODEL_INFO_FIELDS} | info
 
     async def weight_version(self) -> str | None:
-        return (await self._request("GET", "weight_version")).json().get(WEIGHT_VERSION_FIELDS[0])
+        """The served weights' label, from /model_info (SGLang updates it with the weights only when
+        an update succeeds)."""
+        return (await self.model_info()).get(_WEIGHT_VERSION)
 
     async def health(self) -> bool:
         """True when the engine answers /health with 200 (no retries: a probe)."""
         try:
-            await self._request("GET", "health", retry=False)
+            await self._request("health", retry=False)
         except EngineError:
             return False
         return True
@@ -366,23 +399,26 @@ class EngineClient:
     async def health_generate(self) -> bool:
         """True when the engine generates one token (/health_generate 200; no retries)."""
         try:
-            await self._request("GET", "health_generate", retry=False)
+            await self._request("health_generate", retry=False)
         except EngineError:
             return False
         return True
 
     # --- admin -----------------------------------------------------------------------------------
 
-    async def flush_cache(self) -> None:
-        await self._request("POST", "flush_cache", admin=True)
+    async def flush_cache(self) -> tuple[bool, str]:
+        """Empty the prefix (radix) cache: (True, text), or (False, why) when the engine refused
+        (HTTP 400: SGLang flushes only an idle scheduler, `Scheduler.flush_cache`)."""
+        response = await self._request("flush_cache", ok_statuses=(200, 400))
+        return response.status_code == 200, response.text.strip()
 
     async def pause_generation(self, mode: PauseMode = "in_place") -> None:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        await self._request("POST", "pause_generation", {PAUSE_FIELDS[0]: mode}, admin=True)
+        await self._request("pause_generation", {PAUSE_FIELDS[0]: mode})
 
     async def continue_generation(self) -> None:
-        await self._request("POST", "continue_generation", {}, admin=True)
+        await self._request("continue_generation", {})
 
     async def update_weights_from_disk(
         self,
@@ -393,16 +429,19 @@ class EngineClient:
         abort_all_requests: bool = False,
         flush_cache: bool = True,
     ) -> tuple[bool, str]:
-        """Hot-swap the served weights; (False, message) when the engine refused them (HTTP 400)."""
+        """Hot-swap the served weights; (False, message) when the engine refused them (HTTP 400).
+
+        `flush_cache` true (SGLang's default) makes the engine flush its prefix cache after loading;
+        SGLang refuses that flush while any request is queued or running (0.5.19: an assertion
+        that takes the scheduler down; 0.5.23: a 400 after the weights changed), so a reload with
+        requests in flight passes false (services/worker/reload.py)."""
         path, version, fmt, abort_all, flush = UPDATE_WEIGHTS_FIELDS
         body: dict[str, Any] = {path: model_path, abort_all: abort_all_requests, flush: flush_cache}
         if weight_version is not None:
             body[version] = weight_version
         if load_format is not None:
             body[fmt] = load_format
-        response = await self._request(
-            "POST", "update_weights_from_disk", body, admin=True, ok_statuses=(200, 400)
-        )
+        response = await self._request("update_weights_from_disk", body, ok_statuses=(200, 400))
         success_key, message_key, _ = UPDATE_WEIGHTS_RESPONSE_FIELDS
         try:
             answer = response.json()

@@ -53,8 +53,20 @@ class _Model(BaseModel):
 # --- the worker trajectory --------------------------------------------------------------------------
 
 
+class VersionSpan(_Model):
+    """The generated tokens [start, end) of a turn (offsets from its gen_start) one version made."""
+
+    version: str
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
 class TurnSpan(_Model):
-    """One assistant turn; positions index `WorkerTrajectory.token_ids` (0-based, ends exclusive)."""
+    """One assistant turn; positions index `WorkerTrajectory.token_ids` (0-based, ends exclusive).
+
+    `version_spans` is set only when a hot reload swapped the weights while the turn generated
+    (the engine kept the request running: SGLang's in-place pause): the turn then holds tokens of
+    several versions, the last being `weight_version`."""
 
     prompt_start: int = Field(ge=0)
     gen_start: int = Field(ge=0)
@@ -62,6 +74,13 @@ class TurnSpan(_Model):
     generated_tokens: int = Field(ge=0)
     weight_version: str = ""
     finish_reason: str = ""
+    version_spans: list[VersionSpan] = Field(default_factory=list)
+
+    @property
+    def weight_versions(self) -> tuple[str, ...]:
+        """Every version that made a token of this turn, in order."""
+        spans = tuple(s.version for s in self.version_spans)
+        return tuple(dict.fromkeys((*spans, self.weight_version) if self.weight_version else spans))
 
 
 class ToolCall(_Model):
@@ -103,8 +122,9 @@ class WorkerTrajectory(_Model):
 
     @property
     def weight_versions(self) -> tuple[str, ...]:
-        """Distinct weight versions of the turns, in order of first use (> 1: reloaded mid-episode)."""
-        return tuple(dict.fromkeys(t.weight_version for t in self.turns if t.weight_version))
+        """Distinct weight versions of the turns (spans within a turn included), in order of first
+        use (> 1: reloaded mid-episode)."""
+        return tuple(dict.fromkeys(v for t in self.turns for v in t.weight_versions))
 
     def aligned_logprobs(self) -> list[float]:
         """Rollout log-probs aligned to `token_ids`: the engine's value where the mask is 1, else 0.0."""

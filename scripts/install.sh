@@ -47,4 +47,7 @@ if torch.version.cuda is not None or not torch.__version__.startswith("2.13.0"):
 if importlib.util.find_spec("torchvision") is not None:
     sys.exit("install: torchvision is installed; it does not import beside the CPU torch. pip uninstall torchvision")
 PY
+# 5. SGLang's wheels (the chart's pinned version and the newest release), for the contract tests:
+# downloaded once into .cache/sglang/<version>/ with `pip download --no-deps`, never installed.
+"$PY" -m devkit.sglang.source
 echo "install: done"

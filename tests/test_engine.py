@@ -368,10 +368,9 @@ def _metric(base: str, name: str, labels: str = "") -> float:
 
 
 def test_model_info_health_generate_and_metrics(engine, kits):
-    info = httpx.get(engine + "/get_model_info", timeout=10).json()
+    info = httpx.get(engine + "/model_info", timeout=10).json()
     assert info["model_path"] == str(kits["a"]) and info["tokenizer_path"] == str(kits["a"])
     assert info["is_generation"] is True and info["weight_version"] == "default"
-    assert httpx.get(engine + "/get_weight_version", timeout=10).json() == {"weight_version": "default"}
     assert httpx.get(engine + "/health_generate", timeout=30).status_code == 200
     text = httpx.get(engine + "/metrics", timeout=10).text
     for name in (
@@ -392,7 +391,14 @@ def test_model_info_health_generate_and_metrics(engine, kits):
 
 
 def test_admin_routes_need_the_admin_token(engine):
-    for route in ("/pause_generation", "/continue_generation", "/update_weights_from_disk", "/flush_cache"):
+    admin = (
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weights_from_disk",
+        "/flush_cache",
+        "/abort_request",
+    )
+    for route in admin:
         assert httpx.post(engine + route, json={}, timeout=10).status_code == 401
         wrong = {"Authorization": "Bearer nope"}
         assert httpx.post(engine + route, json={}, headers=wrong, timeout=10).status_code == 403
@@ -480,7 +486,7 @@ def test_update_weights_from_disk_swaps_models_and_refuses_bad_paths(engine, kit
     bad = update(kits["missing"], "broken")
     assert bad.status_code == 400
     assert bad.json()["success"] is False and "Failed to get weights iterator" in bad.json()["message"]
-    assert httpx.get(engine + "/get_weight_version", timeout=10).json() == {"weight_version": "default"}
+    assert httpx.get(engine + "/model_info", timeout=10).json()["weight_version"] == "default"
     assert _greedy(engine, ids, 12)["output_ids"] == before
 
     good = update(kits["b"], "v2")
@@ -493,7 +499,7 @@ def test_update_weights_from_disk_swaps_models_and_refuses_bad_paths(engine, kit
     out = _greedy(engine, ids, 12)
     assert out["meta_info"]["weight_version"] == "v2"
     assert out["output_ids"] == _reference_greedy(reference["b"], ids, 12) != before
-    assert httpx.get(engine + "/get_model_info", timeout=10).json()["model_path"] == str(kits["b"])
+    assert httpx.get(engine + "/model_info", timeout=10).json()["model_path"] == str(kits["b"])
 
     assert update(kits["a"], "v3").status_code == 200  # back to model a for the tests after this one
     assert _greedy(engine, ids, 12)["output_ids"] == before
@@ -650,80 +656,18 @@ def test_engine_client_does_not_retry_4xx_and_gives_up_on_dead_engines():
     asyncio.run(run_dead())
 
 
-# --- the contract with SGLang --------------------------------------------------------------------
-
-# SGLang's names, copied by hand from the pinned release (sgl-project/sglang, main after
-# v0.5.6.post2; "@" gives the commit of the file version read, then the class or function).
-# fmt: off
-SGLANG = {
-    # python/sglang/srt/managers/io_struct.py @ 001067fffe33, class GenerateReqInput
-    "GenerateReqInput": {
-        "rid", "text", "input_ids", "input_embeds", "sampling_params", "return_logprob",
-        "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
-        "stream", "log_metrics", "return_hidden_states", "lora_path", "session_params",
-        "custom_logit_processor", "image_data", "video_data", "audio_data",
-    },
-    # python/sglang/srt/sampling/sampling_params.py @ 00c17cafcb9e, class SamplingParams
-    "SamplingParams": {
-        "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-        "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-        "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-        "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-        "logit_bias", "sampling_seed",
-    },
-    # python/sglang/srt/managers/tokenizer_manager.py, _handle_batch_output / add_logprob_to_meta_info
-    "response": {"text", "output_ids", "meta_info"},
-    "meta_info": {
-        "id", "finish_reason", "prompt_tokens", "weight_version", "completion_tokens",
-        "cached_tokens", "e2e_latency", "input_token_logprobs", "output_token_logprobs",
-    },
-    # python/sglang/srt/managers/schedule_batch.py, FINISH_MATCHED_TOKEN/_STR, FINISH_LENGTH, FINISH_ABORT
-    "finish_reason": {"type", "matched", "length", "message"},
-    "finish_types": {"stop", "length", "abort"},
-    # io_struct.py @ 001067fffe33, class UpdateWeightFromDiskReqInput and its output
-    "UpdateWeightFromDiskReqInput": {
-        "model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
-        "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache",
-        "manifest",
-    },
-    "UpdateWeightFromDiskReqOutput": {"success", "message", "num_paused_requests"},
-    # io_struct.py @ 001067fffe33, class PauseGenerationReqInput
-    "PauseGenerationReqInput": {"mode"},
-    "pause_modes": {"abort", "retract", "in_place"},
-    # python/sglang/srt/entrypoints/http_server.py @ 0025436eab05: get_model_info, get_weight_version
-    "get_model_info": {
-        "model_path", "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version",
-    },
-    "get_weight_version": {"weight_version"},
-    # http_server.py @ 0025436eab05, _create_error_response: {"error": {"message": str(e)}}
-    "error": {"error", "message"},
-    # http_server.py @ 0025436eab05, the @app routes
-    "routes": {
-        "/generate", "/health", "/health_generate", "/get_model_info", "/get_weight_version",
-        "/flush_cache", "/pause_generation", "/continue_generation", "/update_weights_from_disk",
-    },
-}
-# fmt: on
+# --- the contract with SGLang (names: tests/test_sglang_contract.py) ----------------------------
 
 
-def test_client_names_are_the_pinned_sglang_names():
-    assert set(ec.GENERATE_FIELDS) <= SGLANG["GenerateReqInput"]
-    assert set(ec.SAMPLING_FIELDS) <= SGLANG["SamplingParams"]
-    assert set(ec.RESPONSE_FIELDS) <= SGLANG["response"]
-    assert set(ec.META_INFO_FIELDS) <= SGLANG["meta_info"]
-    assert set(ec.FINISH_REASON_FIELDS) <= SGLANG["finish_reason"]
-    assert set(ec.FINISH_TYPES) == SGLANG["finish_types"]
-    assert set(ec.UPDATE_WEIGHTS_FIELDS) <= SGLANG["UpdateWeightFromDiskReqInput"]
-    assert set(ec.UPDATE_WEIGHTS_RESPONSE_FIELDS) == SGLANG["UpdateWeightFromDiskReqOutput"]
-    assert set(ec.PAUSE_FIELDS) == SGLANG["PauseGenerationReqInput"]
-    assert set(ec.PAUSE_MODES) == SGLANG["pause_modes"]
-    assert set(ec.MODEL_INFO_FIELDS) <= SGLANG["get_model_info"]
-    assert set(ec.WEIGHT_VERSION_FIELDS) == SGLANG["get_weight_version"]
-    assert set(ec.ERROR_FIELDS) == SGLANG["error"]
-    assert set(ec.ROUTES.values()) <= SGLANG["routes"]
+@pytest.fixture(scope="module")
+def pinned():
+    """The pinned SGLang version's facts, read from its wheel (devkit.sglang)."""
+    from devkit.sglang import facts, source
+
+    return facts.read(source.load(source.pinned_version()))
 
 
-def test_client_sends_and_reads_only_pinned_names():
+def test_client_sends_and_reads_only_pinned_names(pinned):
     """Every body the client sends uses SGLang's names; answers built from them alone are enough."""
     sent: list[tuple[str, dict[str, Any]]] = []
 
@@ -744,7 +688,7 @@ def test_client_sends_and_reads_only_pinned_names():
                 + [[-1.0, t, None] for t in body["input_ids"][1:]],
                 "output_token_logprobs": [[-0.5, 7, None]] * n,
             }
-            assert set(meta) <= SGLANG["meta_info"]
+            assert set(meta) <= set(pinned.of("meta_info"))
             return httpx.Response(200, json={"text": "", "output_ids": [7] * n, "meta_info": meta})
         if request.url.path == "/update_weights_from_disk":
             return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
@@ -763,13 +707,15 @@ def test_client_sends_and_reads_only_pinned_names():
         await client.close()
 
     asyncio.run(run())
+    routes = {name.split(" ", 1)[1] for name in pinned.of("route")}
     for path, body in sent:
-        assert path in SGLANG["routes"]
+        assert path in routes
         if path == "/generate":
-            assert set(body) <= SGLANG["GenerateReqInput"]
-            assert set(body["sampling_params"]) <= SGLANG["SamplingParams"]
+            assert set(body) <= set(pinned.of("GenerateReqInput"))
+            assert set(body["sampling_params"]) <= set(pinned.of("SamplingParams"))
         elif path == "/update_weights_from_disk":
-            assert set(body) <= SGLANG["UpdateWeightFromDiskReqInput"]
+            assert set(body) <= set(pinned.of("UpdateWeightFromDiskReqInput"))
+            assert body["flush_cache"] is True  # SGLang's default, unless a caller says otherwise
         elif path == "/pause_generation":
-            assert set(body) <= SGLANG["PauseGenerationReqInput"]
+            assert set(body) <= set(pinned.of("PauseGenerationReqInput"))
     assert {"sampling_seed", "top_k", "stop_token_ids"} <= set(sent[0][1]["sampling_params"])

@@ -275,7 +275,8 @@ def test_a_retracted_sequence_resumes_from_its_kept_kv_exactly(on, off):
 
 
 def _update(base: str, path: Path, version: str) -> None:
-    body = {"model_path": str(path), "weight_version": version}
+    # flush_cache false: SGLang refuses the update's own flush while a request runs (the reload's choice).
+    body = {"model_path": str(path), "weight_version": version, "flush_cache": False}
     response = httpx.post(base + "/update_weights_from_disk", json=body, headers=AUTH, timeout=60)
     assert response.status_code == 200, response.text
 

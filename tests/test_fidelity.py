@@ -104,6 +104,7 @@ class Out:
     logprobs: list[float]
     finish_reason: str
     weight_version: str = "v0"
+    version_spans: tuple = ()
 
 
 class PolicyEngine:

@@ -38,8 +38,9 @@ def engine_app():
 
 @pytest.mark.parametrize("body", ["[1]", '"rid"', "3", '{"rid": 5}', '{"abort_all": "yes"}'])
 def test_engine_abort_request_refuses_a_body_of_the_wrong_shape_with_a_400(engine_app, body):
-    # A JSON list or string here was a 500 (the handler called .get on it).
-    response = _call(engine_app, "POST", "/abort_request", content=body)
+    # A JSON list or string here was a 500 (the handler called .get on it). An admin route, as in SGLang.
+    auth = {"Authorization": "Bearer secret"}
+    response = _call(engine_app, "POST", "/abort_request", content=body, headers=auth)
     assert response.status_code == 400
     assert response.json()["error"]["message"]
 
@@ -52,7 +53,7 @@ def test_engine_openapi_names_each_operation_once_and_marks_the_admin_ones(engin
     admin = {key for key, op in operations.items() if op.get("security")}
     assert admin == {
         ("POST", "/flush_cache"), ("GET", "/flush_cache"), ("POST", "/pause_generation"),
-        ("POST", "/continue_generation"), ("POST", "/update_weights_from_disk"),
+        ("POST", "/continue_generation"), ("POST", "/update_weights_from_disk"), ("POST", "/abort_request"),
     }  # fmt: skip
     for key in admin:
         assert {"401", "403"} <= set(operations[key]["responses"]), key
@@ -183,7 +184,8 @@ def test_coordinator_llm_documents_the_chat_values_it_refuses():
 
 def test_engine_abort_request_takes_null_as_the_default(engine_app):
     # `{"abort_all": null}` fits the schema (bool | null) and was a 400.
-    response = _call(engine_app, "POST", "/abort_request", json={"rid": None, "abort_all": None})
+    body, auth = {"rid": None, "abort_all": None}, {"Authorization": "Bearer secret"}
+    response = _call(engine_app, "POST", "/abort_request", json=body, headers=auth)
     assert response.status_code == 503, response.text  # parsed; this app's engine is not loaded
 
 
@@ -227,7 +229,7 @@ def test_engine_openapi_states_the_refusals_one_field_decides(engine_app):
     assert sampling["properties"]["top_k"]["not"] == {"const": 0}
     assert {"minLength": 1, "type": "string"} in sampling["properties"]["stop"]["anyOf"]
     max_new = next(s for s in sampling["properties"]["max_new_tokens"]["anyOf"] if s.get("type") == "integer")
-    assert max_new["maximum"] == 62
+    assert max_new["maximum"] == 63  # a 1-token prompt + 63 = the context: allowed, as in SGLang 0.5.19
 
 
 class _Pages:

@@ -193,7 +193,7 @@ def lines(path: Path) -> list[dict[str, Any]]:
 
 def served_version(stack: dict) -> str:
     info = json.loads((stack["state"] / "stack.json").read_text())["services"]
-    return httpx.get(info["engine"]["http"] + "/get_model_info", timeout=10).json()["weight_version"]
+    return httpx.get(info["engine"]["http"] + "/model_info", timeout=10).json()["weight_version"]
 
 
 def episode_records(stack: dict, ids: list[str]) -> list[dict[str, Any]]:

@@ -158,3 +158,42 @@ def test_a_fixed_old_policy_gives_the_first_pass_gradient_and_clips_later_passes
             p.add_(torch.randn_like(p) * 0.5)  # the policy moves: ratios leave [0.8, 1.2]
     moved, _ = grads(fixed)
     assert moved["ppo_clip_fraction"] > 0
+
+
+def test_teacher_scoring_covers_every_response_token_including_the_first():
+    """SGLang scores no token at `logprob_start_len` (its entry is None): the teacher is asked from
+    the prompt's last position, and that None is dropped, so the first response token gets a real
+    log-prob (scoring from the response's first position would leave it None)."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from core.engine_client import EngineClient
+    from core.single_turn import Response
+    from trainer.distill import teacher_logprobs
+
+    def sglang(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        ids, start = body["input_ids"], body["logprob_start_len"]
+        # log p(ids[i] | ids[:i]) stands in as -i; the token at `start` itself is not scored.
+        entries = [[None, ids[start], None]] + [[-float(i), ids[i], None] for i in range(start + 1, len(ids))]
+        meta = {
+            "id": "t",
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": len(ids),
+            "completion_tokens": 0,
+            "input_token_logprobs": entries,
+            "output_token_logprobs": [],
+        }
+        return httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": meta})
+
+    response = Response(
+        prompt_ids=[5, 6, 7], output_ids=[8, 9], logprobs=[-0.1, -0.2], text="", finish_reason="stop"
+    )
+
+    async def run() -> list[float | None]:
+        async with EngineClient("http://teacher", transport=httpx.MockTransport(sglang)) as client:
+            return await teacher_logprobs(client, response)
+
+    assert asyncio.run(run()) == [-3.0, -4.0]  # positions 3 and 4: both response tokens

@@ -130,7 +130,7 @@ def test_lora_grpo_counts_exports_and_resumes_against_a_hot_reloaded_engine(worl
     done = bcstack(*args, "--steps", "2", "--resume")
     assert "resumed at update 1" in done.stdout, done.stdout
     # the engine serves the last update's merged policy
-    assert httpx.get(f"{world['engine']}/get_weight_version").json()["weight_version"] == "lora-2"
+    assert httpx.get(f"{world['engine']}/model_info").json()["weight_version"] == "lora-2"
     # pass@k against the engines as they serve: the base (a teacher's engine) and the specialist
     bcstack(
         "eval", "passk", "--model", f"base={world['teacher_base']}", "--model", f"rl={world['engine']}",

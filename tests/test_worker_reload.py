@@ -351,8 +351,12 @@ class FakeEngine:
             raise EngineError(503, "engine went away")
         await self.release.wait()
 
-    async def update_weights_from_disk(self, path, weight_version=None):
-        self.calls.append("update")
+    async def flush_cache(self):
+        self.calls.append("flush")
+        return False, "Flush cache failed."
+
+    async def update_weights_from_disk(self, path, weight_version=None, flush_cache=True):
+        self.calls.append(f"update:flush={flush_cache}")
         if not self.update_ok:
             return False, "Failed to get weights iterator: broken."
         self.version = weight_version
@@ -384,7 +388,7 @@ def test_a_second_reload_while_one_runs_gets_409(tmp_path):
     refused, done = asyncio.run(scenario())
     assert refused.status == 409
     assert done["weight_version"] == "ck" and done["previous_version"] == "v0"
-    assert engine.calls == ["pause:in_place", "update", "continue"]
+    assert engine.calls == ["pause:in_place", "flush", "update:flush=False", "continue"]
 
 
 @pytest.mark.parametrize("kw", [{"update_ok": False}, {"pause_error": True}])

@@ -48,6 +48,7 @@ class Out:
     completion_tokens: int = 0
     weight_version: str = "v0"
     latency_s: float = 0.0
+    version_spans: tuple = ()
 
 
 @dataclass

@@ -6,8 +6,10 @@ One update (`bcstack train distill --teachers teachers.json --engine URL --promp
 1. sample  prompts from the mixed training rows (each row names its `domain`) and responses from
            the engine serving the student (on-policy; thinking disabled, as the teachers were trained);
 2. score   each response under its domain's teacher through SGLang `/generate` with
-           `max_new_tokens: 0`, `return_logprob: true` and `logprob_start_len` at the response's first
-           token: the teacher's log-prob of every token the student wrote;
+           `max_new_tokens: 0`, `return_logprob: true` and `logprob_start_len` at the prompt's last
+           token: SGLang scores no token at `logprob_start_len` (the list starts with None), so
+           starting one early and dropping that None gives the teacher's log-prob of every token
+           the student wrote, the first one included;
 3. signal  per response token t: A_t = −(log π_student(y_t) − log π_teacher(y_t)), the negative
            sampled reverse KL (REFERENCE.md "On-policy distillation": A_t −= λ·(logp_student −
            logp_teacher), λ = `kl_weight`); with `reward_weight` > 0 the verifier's group-centred
@@ -281,9 +283,12 @@ def distill_update(
     return stats, grad_norm
 
 
-async def _teacher_logprobs(client: EngineClient, response: Response) -> list[float | None]:
+async def teacher_logprobs(client: EngineClient, response: Response) -> list[float | None]:
+    """The teacher's log-prob of each response token: scored from the prompt's last position,
+    whose entry (None: SGLang scores no token at `logprob_start_len`) is dropped."""
     ids = list(response.prompt_ids) + list(response.output_ids)
-    return await client.score(ids, start=len(response.prompt_ids))
+    scores = await client.score(ids, start=len(response.prompt_ids) - 1)
+    return scores[1:]
 
 
 def train_distill(cfg: DistillConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -351,7 +356,7 @@ async def _train(
             )
             flat = [(row, resp) for row, group in zip(batch, groups, strict=True) for resp in group]
             teacher_lps = await asyncio.gather(
-                *(_teacher_logprobs(teachers[str(row.domain)], resp) for row, resp in flat)
+                *(teacher_logprobs(teachers[str(row.domain)], resp) for row, resp in flat)
             )
             examples: list[tuple[Response, list[float]]] = []
             kls: dict[str, list[float]] = {}

@@ -400,7 +400,7 @@ async def _train(cfg: SpecialistConfig, say: Callable[[str], None]) -> dict[str,
             await reload_engine(client, path, "lora-0")
         if not cfg.resume and metrics_path.exists():
             metrics_path.unlink()
-        # SGLang's /get_model_info has no context length; the CPU engine reports one: cap by it then.
+        # SGLang's /model_info has no context length; the CPU engine reports one: cap by it then.
         max_context = (await client.model_info()).get("context_length")
         started = time.perf_counter()
         while update < cfg.steps:

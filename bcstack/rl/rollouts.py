@@ -71,11 +71,12 @@ class GroupRollout:
         """The oldest policy version any turn of the group ran on; -1 for a turn on a version the
         loop did not set (a replica that missed a reload), which makes the group stale."""
         versions = [
-            version_index(turn.weight_version)
+            version_index(version)
             for record in self.records
             for worker in record.workers
             if worker.trajectory is not None
             for turn in worker.trajectory.turns
+            for version in turn.weight_versions or (turn.weight_version,)
         ]
         if any(v is None for v in versions):
             return -1

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from core.v1 import common_pb2 as core_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63ore/v1/worker.proto\x12\nbcstack.v1\x1a\x14\x63ore/v1/common.proto\"1\n\x08\x43hatTask\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.bcstack.v1.Message\"1\n\nBranchTask\x12\x13\n\x0b\x64\x65scription\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\xb4\x02\n\x17RunWorkerEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x13\n\x0bquestion_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12$\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x14.bcstack.v1.ChatTaskH\x00\x12(\n\x06\x62ranch\x18\x05 \x01(\x0b\x32\x16.bcstack.v1.BranchTaskH\x00\x12+\n\x06\x62udget\x18\x06 \x01(\x0b\x32\x1b.bcstack.v1.BudgetOverrides\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.bcstack.v1.SamplingOverrides\x12\x18\n\x0bgold_answer\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\x06\n\x04taskB\x0e\n\x0c_gold_answer\"\x89\x01\n\x04Turn\x12\x14\n\x0cprompt_start\x18\x01 \x01(\x05\x12\x11\n\tgen_start\x18\x02 \x01(\x05\x12\x0f\n\x07gen_end\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x16\n\x0eweight_version\x18\x05 \x01(\t\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\"\xc3\x01\n\x0eToolCallRecord\x12\x0c\n\x04turn\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x36\n\x06params\x18\x03 \x03(\x0b\x32&.bcstack.v1.ToolCallRecord.ParamsEntry\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0e\n\x06\x64ocids\x18\x06 \x03(\t\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x92\x02\n\nTrajectory\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tloss_mask\x18\x02 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x03 \x03(\x02\x12\x1f\n\x05turns\x18\x04 \x03(\x0b\x32\x10.bcstack.v1.Turn\x12.\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1a.bcstack.v1.ToolCallRecord\x12+\n\x0bstop_reason\x18\x06 \x01(\x0e\x32\x16.bcstack.v1.StopReason\x12\x13\n\x0btokens_used\x18\x07 \x01(\x05\x12\x12\n\nturns_used\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0e\n\x06\x65vents\x18\n \x03(\t\"\xa6\x01\n\x18RunWorkerEpisodeResponse\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12(\n\x06report\x18\x02 \x01(\x0b\x32\x18.bcstack.v1.WorkerReport\x12*\n\ntrajectory\x18\x03 \x01(\x0b\x32\x16.bcstack.v1.Trajectory\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.bcstack.v1.Usage\"Q\n\x18RunWorkerEpisodesRequest\x12\x35\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32#.bcstack.v1.RunWorkerEpisodeRequest2\xc5\x01\n\rWorkerService\x12W\n\nRunEpisode\x12#.bcstack.v1.RunWorkerEpisodeRequest\x1a$.bcstack.v1.RunWorkerEpisodeResponse\x12[\n\x0bRunEpisodes\x12$.bcstack.v1.RunWorkerEpisodesRequest\x1a$.bcstack.v1.RunWorkerEpisodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63ore/v1/worker.proto\x12\nbcstack.v1\x1a\x14\x63ore/v1/common.proto\"1\n\x08\x43hatTask\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.bcstack.v1.Message\"1\n\nBranchTask\x12\x13\n\x0b\x64\x65scription\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\xb4\x02\n\x17RunWorkerEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x13\n\x0bquestion_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12$\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x14.bcstack.v1.ChatTaskH\x00\x12(\n\x06\x62ranch\x18\x05 \x01(\x0b\x32\x16.bcstack.v1.BranchTaskH\x00\x12+\n\x06\x62udget\x18\x06 \x01(\x0b\x32\x1b.bcstack.v1.BudgetOverrides\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.bcstack.v1.SamplingOverrides\x12\x18\n\x0bgold_answer\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\x06\n\x04taskB\x0e\n\x0c_gold_answer\"\xb9\x01\n\x04Turn\x12\x14\n\x0cprompt_start\x18\x01 \x01(\x05\x12\x11\n\tgen_start\x18\x02 \x01(\x05\x12\x0f\n\x07gen_end\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x16\n\x0eweight_version\x18\x05 \x01(\t\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12.\n\rversion_spans\x18\x07 \x03(\x0b\x32\x17.bcstack.v1.VersionSpan\":\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\xc3\x01\n\x0eToolCallRecord\x12\x0c\n\x04turn\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x36\n\x06params\x18\x03 \x03(\x0b\x32&.bcstack.v1.ToolCallRecord.ParamsEntry\x12\x0f\n\x07outcome\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0e\n\x06\x64ocids\x18\x06 \x03(\t\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x92\x02\n\nTrajectory\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tloss_mask\x18\x02 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x03 \x03(\x02\x12\x1f\n\x05turns\x18\x04 \x03(\x0b\x32\x10.bcstack.v1.Turn\x12.\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1a.bcstack.v1.ToolCallRecord\x12+\n\x0bstop_reason\x18\x06 \x01(\x0e\x32\x16.bcstack.v1.StopReason\x12\x13\n\x0btokens_used\x18\x07 \x01(\x05\x12\x12\n\nturns_used\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0e\n\x06\x65vents\x18\n \x03(\t\"\xa6\x01\n\x18RunWorkerEpisodeResponse\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12(\n\x06report\x18\x02 \x01(\x0b\x32\x18.bcstack.v1.WorkerReport\x12*\n\ntrajectory\x18\x03 \x01(\x0b\x32\x16.bcstack.v1.Trajectory\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.bcstack.v1.Usage\"Q\n\x18RunWorkerEpisodesRequest\x12\x35\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32#.bcstack.v1.RunWorkerEpisodeRequest2\xc5\x01\n\rWorkerService\x12W\n\nRunEpisode\x12#.bcstack.v1.RunWorkerEpisodeRequest\x1a$.bcstack.v1.RunWorkerEpisodeResponse\x12[\n\x0bRunEpisodes\x12$.bcstack.v1.RunWorkerEpisodesRequest\x1a$.bcstack.v1.RunWorkerEpisodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,17 +41,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNWORKEREPISODEREQUEST']._serialized_start=161
   _globals['_RUNWORKEREPISODEREQUEST']._serialized_end=469
   _globals['_TURN']._serialized_start=472
-  _globals['_TURN']._serialized_end=609
-  _globals['_TOOLCALLRECORD']._serialized_start=612
-  _globals['_TOOLCALLRECORD']._serialized_end=807
-  _globals['_TOOLCALLRECORD_PARAMSENTRY']._serialized_start=762
-  _globals['_TOOLCALLRECORD_PARAMSENTRY']._serialized_end=807
-  _globals['_TRAJECTORY']._serialized_start=810
-  _globals['_TRAJECTORY']._serialized_end=1084
-  _globals['_RUNWORKEREPISODERESPONSE']._serialized_start=1087
-  _globals['_RUNWORKEREPISODERESPONSE']._serialized_end=1253
-  _globals['_RUNWORKEREPISODESREQUEST']._serialized_start=1255
-  _globals['_RUNWORKEREPISODESREQUEST']._serialized_end=1336
-  _globals['_WORKERSERVICE']._serialized_start=1339
-  _globals['_WORKERSERVICE']._serialized_end=1536
+  _globals['_TURN']._serialized_end=657
+  _globals['_VERSIONSPAN']._serialized_start=659
+  _globals['_VERSIONSPAN']._serialized_end=717
+  _globals['_TOOLCALLRECORD']._serialized_start=720
+  _globals['_TOOLCALLRECORD']._serialized_end=915
+  _globals['_TOOLCALLRECORD_PARAMSENTRY']._serialized_start=870
+  _globals['_TOOLCALLRECORD_PARAMSENTRY']._serialized_end=915
+  _globals['_TRAJECTORY']._serialized_start=918
+  _globals['_TRAJECTORY']._serialized_end=1192
+  _globals['_RUNWORKEREPISODERESPONSE']._serialized_start=1195
+  _globals['_RUNWORKEREPISODERESPONSE']._serialized_end=1361
+  _globals['_RUNWORKEREPISODESREQUEST']._serialized_start=1363
+  _globals['_RUNWORKEREPISODESREQUEST']._serialized_end=1444
+  _globals['_WORKERSERVICE']._serialized_start=1447
+  _globals['_WORKERSERVICE']._serialized_end=1644
 # @@protoc_insertion_point(module_scope)

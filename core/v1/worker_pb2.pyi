@@ -42,20 +42,32 @@ class RunWorkerEpisodeRequest(_message.Message):
     def __init__(self, episode_id: _Optional[str] = ..., question_id: _Optional[str] = ..., group_id: _Optional[str] = ..., chat: _Optional[_Union[ChatTask, _Mapping]] = ..., branch: _Optional[_Union[BranchTask, _Mapping]] = ..., budget: _Optional[_Union[_common_pb2.BudgetOverrides, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOverrides, _Mapping]] = ..., gold_answer: _Optional[str] = ...) -> None: ...
 
 class Turn(_message.Message):
-    __slots__ = ("prompt_start", "gen_start", "gen_end", "generated_tokens", "weight_version", "finish_reason")
+    __slots__ = ("prompt_start", "gen_start", "gen_end", "generated_tokens", "weight_version", "finish_reason", "version_spans")
     PROMPT_START_FIELD_NUMBER: _ClassVar[int]
     GEN_START_FIELD_NUMBER: _ClassVar[int]
     GEN_END_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     prompt_start: int
     gen_start: int
     gen_end: int
     generated_tokens: int
     weight_version: str
     finish_reason: str
-    def __init__(self, prompt_start: _Optional[int] = ..., gen_start: _Optional[int] = ..., gen_end: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    def __init__(self, prompt_start: _Optional[int] = ..., gen_start: _Optional[int] = ..., gen_end: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., finish_reason: _Optional[str] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
+
+class VersionSpan(_message.Message):
+    __slots__ = ("version", "start", "end")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    start: int
+    end: int
+    def __init__(self, version: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class ToolCallRecord(_message.Message):
     __slots__ = ("turn", "name", "params", "outcome", "error", "docids")

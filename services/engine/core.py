@@ -6,6 +6,7 @@ Transport-free: `services.engine.service` maps these calls onto SGLang's routes 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -136,7 +137,7 @@ class EngineCore:
         if self.state == "starting":
             raise EngineUnavailable("The engine is still loading its model.")
         if self.state == "failed" or self.scheduler is None:
-            raise EngineUnavailable(f"The engine failed to start: {self.failure}")
+            raise EngineUnavailable(f"The engine failed: {self.failure}")
         return self.scheduler
 
     @property
@@ -156,7 +157,11 @@ class EngineCore:
             if not prompt:
                 raise proto.RequestError("The text encodes to no tokens.")
         proto.check_vocab(prompt, self.model.vocab_size)
-        proto.check_length(len(prompt), request.sampling.max_new_tokens, self.context_length)
+        limit = proto.check_length(len(prompt), request.sampling.max_new_tokens, self.context_length)
+        if limit != request.sampling.max_new_tokens:  # trimmed to the context, as SGLang's scheduler does
+            floor = min(request.sampling.min_new_tokens, limit)
+            sampling = dataclasses.replace(request.sampling, max_new_tokens=limit, min_new_tokens=floor)
+            request = dataclasses.replace(request, sampling=sampling)
         if request.return_logprob and request.logprob_start_len >= 0:
             proto.check_logprob_start(request.logprob_start_len, len(prompt))
         stop_lengths = [
@@ -219,10 +224,18 @@ class EngineCore:
 
     # --- control ---------------------------------------------------------------------------------
 
-    async def flush_cache(self) -> None:
-        """SGLang's /flush_cache: empty the prefix cache. Unlike SGLang it needs no idle engine:
-        running sequences own their KV, so nothing they hold is lost."""
-        await self._ready().flush_cache()
+    async def flush_cache(self) -> bool:
+        """SGLang's /flush_cache: empty the prefix cache; refused (False) unless the scheduler is idle
+        (nothing running, nothing waiting in its queue), as SGLang refuses it."""
+        return await self._ready().flush_cache()
+
+    def _die(self, failure: str) -> None:
+        """What a scheduler exception does to SGLang: the server goes down. Here every request ends
+        with an abort and every later call answers 503 until the engine is restarted."""
+        self.state, self.failure = "failed", failure
+        log.error("engine failed: %s", failure)
+        if self.scheduler is not None:
+            self.scheduler.abort_all(f"The engine failed: {failure}")
 
     async def pause(self, mode: PauseMode) -> None:
         await self._ready().pause(mode)
@@ -236,19 +249,25 @@ class EngineCore:
         weight_version: str | None = None,
         load_format: str | None = None,
         abort_all_requests: bool = False,
+        flush_cache: bool = True,
     ) -> UpdateResult:
         """Load `model_path` into a new model object off the loop, then swap it in between steps.
 
         The old weights keep serving while the new ones load and whenever loading fails. Running
         sequences keep their KV caches across the swap (as SGLang's in-place update does) unless
-        `abort_all_requests`. The prefix cache is flushed by every successful swap, whatever the
-        request's `flush_cache` (SGLang's default, true, made the only choice: KV of the old
-        weights is never reused). Messages are SGLang's (`ModelRunner.update_weights_from_disk`).
+        `abort_all_requests`. Then, as SGLang 0.5.19 does (`SchedulerWeightUpdater.
+        update_weights_from_disk`): with `flush_cache` the cache is flushed, and a flush refused
+        because requests are running or waiting is `assert flush_cache_success, "Cache flush failed
+        after updating weights"`, which takes the server down (here: the engine fails, 503 from
+        then on) with the new weights in and the old label; otherwise the label moves to
+        `weight_version`. Departure: the CPU engine never reuses prefix KV of older weights, even
+        with `flush_cache` false (SGLang's radix cache keeps it until flushed or evicted).
+        Messages are SGLang's (`ModelRunner.update_weights_from_disk`).
         """
         scheduler = self._ready()
         async with self._update_lock:
             result = await self._update(
-                scheduler, model_path, weight_version, load_format, abort_all_requests
+                scheduler, model_path, weight_version, load_format, abort_all_requests, flush_cache
             )
         if self.metrics is not None:
             self.metrics.weight_updates.labels("success" if result.success else "failure").inc()
@@ -261,6 +280,7 @@ class EngineCore:
         weight_version: str | None,
         load_format: str | None,
         abort_all_requests: bool,
+        flush_cache: bool,
     ) -> UpdateResult:
         if load_format not in SUPPORTED_LOAD_FORMATS:
             return UpdateResult(
@@ -291,9 +311,13 @@ class EngineCore:
             install = functools.partial(self.model.adopt, new)
         if abort_all_requests:
             scheduler.abort_all("Aborted for a weight update.")
-        await scheduler.swap_model(install, weight_version)
+        await scheduler.swap_model(install)
         if not isinstance(self.model, ScriptedModel):
             self.model_path = str(path)
+        if flush_cache and not await scheduler.flush_cache():
+            self._die("Scheduler hit an exception: AssertionError: Cache flush failed after updating weights")
+            raise EngineUnavailable(f"The engine failed: {self.failure}")
+        scheduler.record_weight_version(weight_version)
         message = "Succeeded to update model weights."
         if weight_version is not None:
             message += f" Weight version updated to {weight_version}."
@@ -303,13 +327,16 @@ class EngineCore:
     # --- info ------------------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:
-        """SGLang's /get_model_info fields (plus the context length, which its /v1/models reports)."""
+        """SGLang's /model_info keys the stack reads (0.5.19 `http_server.model_info`), plus the
+        context length, which SGLang reports in /v1/models."""
         return {
             "model_path": self.model_path,
+            "served_model_name": self.settings.served_model_name or self.model_path,
             "tokenizer_path": self.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
+            "load_format": "auto",
             "context_length": self.context_length,
         }
 

@@ -140,10 +140,6 @@ class HealthGenerate(BaseModel):
     message: str
 
 
-class WeightVersion(BaseModel):
-    weight_version: str | None
-
-
 def _error(description: str, model: type[BaseModel] = EngineError) -> dict[str, Any]:
     return {"description": description, "model": model}
 
@@ -170,7 +166,13 @@ ABORT = {
     "openapi_extra": json_body(AbortBody, required=False),
     "responses": {200: {"description": "done (empty body)", **TEXT}, 400: REFUSED, 503: UNAVAILABLE},
 }
-FLUSH = {"responses": {200: {"description": "SGLang's answer text", **TEXT}, 503: UNAVAILABLE}}
+FLUSH = {
+    "responses": {
+        200: {"description": "SGLang's answer text", **TEXT},
+        400: {"description": "refused: requests are running or waiting (SGLang's text)", **TEXT},
+        503: UNAVAILABLE,
+    }
+}
 PAUSE = {
     "openapi_extra": json_body(PauseBody, required=False),
     "responses": {200: {"model": StatusMessage}, 400: REFUSED, 503: UNAVAILABLE},
@@ -190,14 +192,18 @@ HEALTH_GENERATE = {
         503: {"description": "no token came back in time", "model": HealthGenerate},
     }
 }
-WEIGHT_VERSION = {"responses": {200: {"model": WeightVersion}}}
+# SGLang 0.5.19: both weight-version routes are 404 stubs pointing at /model_info.
+WEIGHT_VERSION = {
+    "deprecated": True,
+    "responses": {404: {"description": "deprecated: the version is in GET /model_info"}},
+}
 
 
 def document_model_limits(schema: dict[str, Any], *, vocab_size: int, context_length: int) -> None:
     """Write the loaded model's limits into the `/generate` bodies of `schema` (the OpenAPI
     document), so that it says what `protocol.check_vocab` and `check_length` refuse: token ids
     below the vocab size, a prompt below the context length and, since a prompt has a token at
-    least, max_new_tokens below the context length minus one. Limits on two fields together (the
+    least, max_new_tokens at most the context length minus one. Limits on two fields together (the
     prompt with max_new_tokens, logprob_start_len with the prompt) no JSON Schema states."""
     for method in ("post", "put"):
         body = schema["paths"]["/generate"][method]["requestBody"]["content"]["application/json"]["schema"]
@@ -208,4 +214,4 @@ def document_model_limits(schema: dict[str, Any], *, vocab_size: int, context_le
         sampling = next(s for s in props["sampling_params"]["anyOf"] if s.get("type") == "object")
         for name in ("max_new_tokens", "min_new_tokens"):
             integer = next(s for s in sampling["properties"][name]["anyOf"] if s.get("type") == "integer")
-            integer["maximum"] = context_length - 2
+            integer["maximum"] = context_length - 1

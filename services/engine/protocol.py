@@ -10,8 +10,11 @@ pinned file versions):
   `temperature` 1.0, `top_p` 1.0, `top_k` -1 = whole vocabulary, `min_p` 0) and the wording of
   `verify()`'s errors. `temperature` below 1e-6 means greedy (SGLang turns it into top_k=1), and
   the per-request seed is `sampling_params.sampling_seed`.
-- Length checks and their wording (`TokenizerManager._validate_input_length`): a prompt of
-  `context_len` tokens or more, or prompt + `max_new_tokens` reaching `context_len`, is refused.
+- Length checks and their wording (0.5.19 `TokenizerManager._validate_one_request`): a prompt of
+  `context_len` tokens or more is refused, and prompt + `max_new_tokens` only *above*
+  `context_len` (equal is allowed); the scheduler then trims `max_new_tokens` to
+  `max_req_len - prompt - 1` with `max_req_len = context_len - 1` (`Scheduler.init_req_max_new_tokens`,
+  `TpModelWorker`), so a request that asks for exactly what is left gets two tokens less.
 - Errors: HTTP 400 with `{"error": {"message": ...}}` (`http_server._create_error_response`).
 - `meta_info` (`TokenizerManager._handle_batch_output`): `id`, `finish_reason`, `prompt_tokens`,
   `weight_version`, `completion_tokens`, `cached_tokens`, `e2e_latency` once finished and, with
@@ -312,20 +315,22 @@ def parse_generate_request(body: Any) -> GenerateRequest:
     )
 
 
-def check_length(prompt_tokens: int, max_new_tokens: int, context_len: int) -> None:
-    """SGLang's `_validate_input_length`, word for word: both limits are exclusive."""
+def check_length(prompt_tokens: int, max_new_tokens: int, context_len: int) -> int:
+    """SGLang's length checks, word for word; the `max_new_tokens` the scheduler will honour."""
     if prompt_tokens >= context_len:
         raise RequestError(
             f"The input ({prompt_tokens} tokens) is longer than the model's context length "
             f"({context_len} tokens)."
         )
-    if max_new_tokens + prompt_tokens >= context_len:
+    if max_new_tokens + prompt_tokens > context_len:
         raise RequestError(
             f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
             f"You requested a total of {max_new_tokens + prompt_tokens} tokens: {prompt_tokens} tokens "
             f"from the input messages and {max_new_tokens} tokens for the completion. Please reduce the "
             "number of tokens in the input messages or the completion to fit within the limit."
         )
+    max_req_len = context_len - 1
+    return max(0, min(max_new_tokens, max_req_len - prompt_tokens - 1))
 
 
 def check_vocab(input_ids: Sequence[int], vocab_size: int) -> None:

@@ -12,7 +12,14 @@ Pause modes (SGLang's `PauseGenerationReqInput`): `abort` finishes every queued 
 request with an abort reason; `retract` drops the running sequences' KV caches and puts them
 back at the head of the queue (on continue, their KV is taken back from the model's prefix cache,
 which keeps released KV, or recomputed); `in_place` just stops stepping, keeping the KV caches.
-In every mode new requests queue until `continue_generation`.
+In every mode new requests are held apart until `continue_generation` (SGLang holds them in its
+tokenizer manager, so the scheduler's waiting queue does not see them).
+
+Flush (SGLang 0.5.19 `Scheduler.flush_cache` / `is_fully_idle`): the prefix cache is emptied only
+when no request is running and none is waiting in the scheduler's queue, retracted ones included
+(0.5.23 ignores the waiting queue while paused); otherwise the flush is refused. A weight swap
+records, on every live request that already has output tokens, the version that made them
+(`record_weight_version_change`), which its answer reports as `meta_info["weight_versions"]`.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class Scheduler:
         self.metrics = metrics
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: list[Sequence] = []  # submitted while paused: outside the scheduler until continue
         self.paused: PauseMode | None = None
         self.steps = 0
         self._executor = ThreadPoolExecutor(
@@ -82,11 +90,12 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         message = "The engine is shutting down."
-        for seq in (*self.waiting, *self.running, *(s for s, _ in self._pending_aborts)):
+        for seq in (*self.held, *self.waiting, *self.running, *(s for s, _ in self._pending_aborts)):
             if not seq.finished:
                 seq.finish(proto.finish_abort(message))
             seq.updated.set()
         self.waiting.clear()
+        self.held = []
         self.running = []
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -95,9 +104,9 @@ class Scheduler:
     def submit(self, seq: Sequence) -> None:
         if self._stopping:
             raise QueueFull("The engine is shutting down.")
-        if len(self.waiting) >= self.max_queued:
+        if len(self.waiting) + len(self.held) >= self.max_queued:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_queued_requests).")
-        self.waiting.append(seq)
+        (self.held if self.paused is not None else self.waiting).append(seq)
         self._gauges()
         self._wake.set()
 
@@ -105,7 +114,11 @@ class Scheduler:
         """Finish `seq` with an abort reason: a queued one now, a running one between two steps."""
         if seq.finished:
             return
-        if any(s is seq for s in self.waiting):
+        if any(s is seq for s in self.held):
+            self.held.remove(seq)
+            seq.finish(proto.finish_abort(message))
+            self._finished(seq)
+        elif any(s is seq for s in self.waiting):
             self.waiting.remove(seq)
             seq.finish(proto.finish_abort(message))
             self._finished(seq)
@@ -115,13 +128,18 @@ class Scheduler:
             self._wake.set()
 
     def abort_all(self, message: str) -> int:
-        seqs = [*self.waiting, *self.running]
+        seqs = [*self.held, *self.waiting, *self.running]
         for seq in seqs:
             self.abort(seq, message)
         return len(seqs)
 
     def find(self, rid: str) -> Sequence | None:
-        return next((s for s in (*self.running, *self.waiting) if s.rid == rid), None)
+        return next((s for s in (*self.running, *self.waiting, *self.held) if s.rid == rid), None)
+
+    @property
+    def idle(self) -> bool:
+        """SGLang's `is_fully_idle`: nothing running and nothing in the waiting queue."""
+        return not self.running and not self.waiting and not self._pending_aborts
 
     # --- control ---------------------------------------------------------------------------------
 
@@ -143,25 +161,42 @@ class Scheduler:
 
     def resume(self) -> None:
         self.paused = None
+        self.waiting.extend(self.held)
+        self.held = []
         if self.metrics:
             self.metrics.paused.set(0)
         self._wake.set()
 
-    async def swap_model(self, apply: Any, weight_version: str | None) -> None:
+    async def swap_model(self, apply: Any) -> None:
         """Run `apply()` (which installs new weights) in the step thread, between two steps."""
         async with self._step_lock:
             await self._in_step_thread(apply)
-            if weight_version is not None:
-                self.weight_version = weight_version
         self._gauges()
 
-    async def flush_cache(self) -> None:
-        """Empty the model's prefix cache between two steps (running sequences keep their KV)."""
-        flush = getattr(self.model, "flush_cache", None)
-        if flush is not None:
-            async with self._step_lock:
+    def record_weight_version(self, weight_version: str | None) -> None:
+        """Label the weights `weight_version`; live requests note which version made their tokens."""
+        if weight_version is None or weight_version == self.weight_version:
+            return
+        for seq in (*self.running, *self.waiting, *self.held):
+            if seq.output_ids:
+                seq.version_events.append((self.weight_version, len(seq.output_ids)))
+        self.weight_version = weight_version
+
+    async def flush_cache(self) -> bool:
+        """Empty the model's prefix cache between two steps; refused (False) unless `idle`."""
+        async with self._step_lock:
+            if not self.idle:
+                log.warning(
+                    "Cache not flushed because there are pending requests. #queue-req: %d, #running-req: %d",
+                    len(self.waiting),
+                    len(self.running),
+                )
+                return False
+            flush = getattr(self.model, "flush_cache", None)
+            if flush is not None:
                 await self._in_step_thread(flush)
         self._gauges()
+        return True
 
     # --- the loop --------------------------------------------------------------------------------
 

@@ -64,6 +64,9 @@ class Sequence:
     first_token_perf: float | None = None
     finished_perf: float | None = None
     weight_version: str = ""
+    # (the version that made them, output tokens so far) at each weight swap while this ran
+    # (SGLang's WeightVersionEvent); the answer reports them as spans.
+    version_events: list[tuple[str, int]] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     model_state: Any = None  # the token model's per-sequence state (a KV cache, a script)
     updated: asyncio.Event = field(default_factory=asyncio.Event)
@@ -159,9 +162,28 @@ class Sequence:
             meta["output_token_logprobs"] = proto.logprob_triples(
                 self.output_logprobs, self.output_ids, self._token_texts(self.output_ids) if texts else None
             )
+        if self.finished:
+            # SGLang 0.5.19 `compute_weight_version_spans` / `add_weight_versions_to_meta_info`.
+            spans = self.version_spans()
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]
         if self.finished and self.finished_perf is not None:
             meta["e2e_latency"] = self.finished_perf - self.created_perf
         return {"text": self.text(), "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def version_spans(self) -> list[dict[str, Any]]:
+        """Which weight version made which output tokens: `{version, start, end}`, in order."""
+        n = len(self.output_ids)
+        spans: list[dict[str, Any]] = []
+        for version, end in [*self.version_events, (self.weight_version, n)]:
+            end = min(end, n)
+            if spans and end <= spans[-1]["end"]:
+                continue
+            if spans and version == spans[-1]["version"]:
+                spans[-1]["end"] = end
+                continue
+            spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+        return [s for s in spans if s["start"] < n or s["start"] == 0]
 
     def _token_texts(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in ids]

@@ -4,10 +4,13 @@
                                     logprob_start_len, rid, stream (SSE)  -> {text, output_ids, meta_info}
     GET  /health                    200 once the model is loaded (503 while starting or failed)
     GET  /health_generate           200 when one greedy token comes back in time, else 503
-    GET  /get_model_info            {model_path, tokenizer_path, is_generation, weight_version, ...}
-    GET  /get_weight_version        {weight_version}
-    POST /abort_request             {rid | abort_all}
-    POST /flush_cache               admin; empties the prefix cache (also done by every weight update)
+    GET  /model_info                {model_path, served_model_name, tokenizer_path, is_generation,
+                                    weight_version, load_format, ...}
+    GET  /get_model_info            the same, a deprecated alias (a warning per call), as in SGLang
+    GET  /get_weight_version        404 "deprecated, use /model_info" (SGLang 0.5.19), and
+    GET  /weight_version            the same
+    POST /abort_request             admin; {rid | abort_all}
+    POST /flush_cache               admin; empties the prefix cache, 400 while requests run or wait
     POST /pause_generation          admin; {mode: abort | retract | in_place}
     POST /continue_generation       admin
     POST /update_weights_from_disk  admin; {model_path, weight_version, load_format,
@@ -21,12 +24,13 @@ Status codes and bodies follow SGLang's `http_server.py`: a refused `/generate` 
 503 (not SGLang's) says the engine cannot take work now: still loading, failed, or its queue is
 full.
 
-Auth: SGLang marks the weight and pause routes `ADMIN_OPTIONAL` (guarded by `--admin-api-key`
-when one is set, open otherwise, `srt/utils/auth.py`). The stack's rule is stricter (DESIGN.md
-§8): admin routes take `Authorization: Bearer $BCSTACK_ADMIN_TOKEN` and are disabled (403) when no
-token is configured. Point a real SGLang server's `--admin-api-key` at the same token and the
-worker's client works against both. `api_key` (SGLang's `--api-key`) guards every other route
-except /health*, /metrics.
+Auth: SGLang marks the weight, pause, flush and abort routes `ADMIN_OPTIONAL` (guarded by
+`--admin-api-key` when one is set, open otherwise, `srt/utils/auth.py`). Here they take
+`admin_api_key` (`BCSTACK_ENGINE_ADMIN_API_KEY`: secrets have no CLI option), else
+`BCSTACK_ADMIN_TOKEN`; the stack's rule is stricter than
+SGLang's (DESIGN.md §8): with neither they are disabled (403), never open, and a wrong key is 403
+where SGLang says 401. `api_key` (SGLang's `--api-key`) guards every other route except /health*,
+/metrics.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ from services.engine.settings import EngineSettings
 log = logging.getLogger(__name__)
 
 SERVICE = "engine"
+WEIGHT_VERSION_DEPRECATED = (
+    "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
+)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -89,6 +96,8 @@ def build_http_app(
             await core.close()
 
     app = create_app(SERVICE, settings, registry, health_check=core.health, lifespan=lifespan)
+    if settings.admin_api_key is not None and settings.admin_api_key.get_secret_value():
+        app.state.admin_token = settings.admin_api_key
     metrics = core.metrics
     kit_openapi, limited = app.openapi, False
 
@@ -150,15 +159,26 @@ def build_http_app(
         body = {"status": "ok" if ok else "unhealthy", "message": message}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/get_model_info", dependencies=normal)
-    async def get_model_info() -> Any:
+    @app.get("/model_info", dependencies=normal)
+    async def model_info() -> Any:
         return core.model_info()
 
-    @app.get("/get_weight_version", dependencies=normal, **doc.WEIGHT_VERSION)
-    async def get_weight_version() -> Any:
-        return {"weight_version": core.weight_version}
+    @app.get("/get_model_info", dependencies=normal)
+    async def get_model_info() -> Any:
+        log.warning(
+            "Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
+            "Please use '/model_info' instead."
+        )
+        return core.model_info()
 
-    @app.post("/abort_request", dependencies=normal, **doc.ABORT)
+    async def weight_version() -> Any:
+        """SGLang 0.5.19 `http_server.weight_version`: a 404 stub (both routes are gone in 0.5.23)."""
+        raise HTTPException(404, detail=WEIGHT_VERSION_DEPRECATED)
+
+    for path in ("/get_weight_version", "/weight_version"):
+        app.get(path, dependencies=normal, operation_id=path.strip("/"), **doc.WEIGHT_VERSION)(weight_version)
+
+    @app.post("/abort_request", dependencies=admin, **doc.ABORT)
     async def abort_request(request: Request) -> Any:
         try:
             body = await _json_body(request, empty_ok=True)
@@ -180,10 +200,11 @@ def build_http_app(
     @app.post("/flush_cache", dependencies=admin, **doc.FLUSH)
     async def flush_cache() -> Any:
         try:
-            await core.flush_cache()
+            flushed = await core.flush_cache()
         except EngineUnavailable as e:
             return _error(503, str(e))
-        # SGLang's answer text (its flush waits for an idle engine; this one needs not).
+        if not flushed:  # SGLang: 400 with FlushCacheReqOutput's empty message replaced
+            return PlainTextResponse("Flush cache failed.\n", status_code=400)
         return PlainTextResponse(
             "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
             "waiting requests, the operation will not be performed.)\n"
@@ -228,6 +249,9 @@ def build_http_app(
             return failed("model_path is required (the folder holding the new weights).")
         version = body.get("weight_version")
         load_format = body.get("load_format")
+        flush = body.get("flush_cache", True)
+        if not isinstance(flush, bool):
+            return failed("flush_cache must be true or false.")
         if version is not None and not isinstance(version, str):
             return failed("weight_version must be a string.")
         if load_format is not None and not isinstance(load_format, str):
@@ -238,6 +262,7 @@ def build_http_app(
                 weight_version=version,
                 load_format=load_format,
                 abort_all_requests=bool(body.get("abort_all_requests", False)),
+                flush_cache=flush,
             )
         except EngineUnavailable as e:
             return failed(str(e), 503)

@@ -54,6 +54,14 @@ class EngineSettings(ServiceSettings):
         ge=1,
         description="torch intra-op threads; unset = 1 below 100M parameters, else torch's default",
     )
+    served_model_name: str | None = Field(
+        None, description="like SGLang's --served-model-name: the name /model_info gives (unset: the path)"
+    )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description="like SGLang's --admin-api-key: Bearer token of the admin routes (weights, pause, flush, "
+        "abort); unset = BCSTACK_ADMIN_TOKEN, and with neither the admin routes are disabled (403)",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="like SGLang's --api-key: Bearer token required on every route but /health*, /metrics",

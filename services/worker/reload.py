@@ -1,19 +1,41 @@
 """Hot reload of the engine's weights through the worker: `POST /admin/reload {"checkpoint": PATH}`.
 
-One reload, in order (REFERENCE.md, SGLang's weight sync):
+One reload, in order:
 
 1. resolve PATH inside `checkpoint_root` (symlinks resolved; anything outside is refused, 400);
 2. verify it as a serving-format export (`core.checkpoint.verify_checkpoint`) against the config of
-   the model the engine serves now (its `model_path` from /get_model_info), 422 on the first problem;
-3. `pause_generation("in_place")`: in-flight /generate calls wait, keeping their KV caches, and no
-   episode fails;
-4. `update_weights_from_disk(PATH, weight_version=...)`: the engine loads the new weights off its
-   loop and swaps them in atomically (a failed load keeps the old weights serving);
-5. `continue_generation()` always, even when 4 failed; then the engine must report the new version.
+   the model the engine serves now (its `model_path` from /model_info), 422 on the first problem;
+3. `pause_generation(mode="in_place")`: running requests stay in the running batch with their KV,
+   new ones wait; no episode fails;
+4. `flush_cache`, best effort: SGLang flushes only an idle scheduler, so it succeeds when no request
+   is in flight and is refused (400, harmless) otherwise;
+5. `update_weights_from_disk(PATH, weight_version=..., flush_cache=false)`;
+6. `continue_generation()` always, even when 4 or 5 failed; then /model_info must report the new
+   version.
 
-A failure after the pause answers 502 and leaves the old weights serving. Reloads are serialized:
-a second one while one runs gets 409 at once. Each turn of a trajectory records the version that
-generated it, so trajectories spanning a reload show both versions.
+Why in_place with `flush_cache` false, read from SGLang 0.5.19's scheduler: the update's own flush
+(`flush_cache` true) runs after the weights are loaded and needs `is_fully_idle()`, i.e. an empty
+running batch *and* an empty waiting queue. After an in_place pause the running batch holds the
+in-flight requests; after a `retract` pause they sit in the waiting queue: either way the flush is
+refused, which 0.5.19 turns into `assert flush_cache_success` in the scheduler (the server goes
+down with the new weights in and the old label) and 0.5.23 into a 400 after the weights changed,
+label unchanged. (0.5.23 lets a paused flush ignore the waiting queue, so retract + flush works
+there; not on the pinned version.) With `flush_cache` false every version accepts the update with
+episodes in flight: SGLang moves the label only when the load succeeded, so label and weights
+agree on every path, and it reports per request which tokens each version made
+(`meta_info["weight_versions"]`), which each turn records (`TurnSpan.version_spans`). In place also
+costs the least: retract recomputes every in-flight request's KV after the pause
+(bench/reload_pause_modes.py measures both on the CPU engine). The price: KV computed by the old
+weights (the in-flight requests', and the radix cache's when step 4 was refused) is reused after
+the swap until flushed or evicted; in-flight turns say so in their spans.
+
+Failure paths, each leaving the label the engine reports (read back from /model_info, which the
+worker's status and `bcstack_worker_weight_version_info` then show) true to the weights it serves:
+the update refused (400: SGLang keeps or rolls back to the old weights and label), a refused
+flush (not a failure: the update goes on), the engine restarted between pause and continue (it
+comes back unpaused with its start-up weights and label). Any failure answers 502. Reloads are
+serialized: a second one while one runs gets 409 at once; `in_progress` tells readiness probes
+that a pause is ours.
 """
 
 from __future__ import annotations
@@ -113,14 +135,19 @@ class ReloadManager:
         metrics: ReloadMetrics | None = None,
         *,
         verify: Callable[..., Any] | None = None,
+        pause_limit_s: float = 240.0,
     ) -> None:
         self.engine = engine
+        self.pause_limit_s = pause_limit_s
         self.checkpoint_root = checkpoint_root
         self.metrics = metrics or ReloadMetrics()
         self._verify = verify
         self.attempts: deque[ReloadAttempt] = deque(maxlen=HISTORY)
         self.running = False
-        # The folder the served weights came from: the last successful reload's, None until one.
+        # True from the pause to the read-back after continue: a reload, not a wedged engine.
+        self.in_progress = False
+        # The folder the served weights came from: the last successful reload's, None for the
+        # weights the engine started with.
         self.checkpoint: Path | None = None
 
     async def status(self) -> dict[str, Any]:
@@ -159,7 +186,7 @@ class ReloadManager:
             if not version.strip():
                 raise ReloadRefused(400, "weight_version must not be empty")
             await self._verify_checkpoint(path, notes)
-            previous, paused = await self._swap(path, version)
+            previous, paused = await self._swap(path, version, notes)
         except ReloadRefused as e:
             paused = e.paused if isinstance(e, _Failed) else paused
             outcome: Outcome = "rejected" if e.status < 500 else "failed"
@@ -173,10 +200,8 @@ class ReloadManager:
             self.running = False
         note = "; ".join(notes) or None
         seconds = self._record(checkpoint, version, "ok", note, started_at, started, paused)
-        self.checkpoint = path
         if canary_step is not None:
             self.metrics.canary_step(canary_step, "ok")
-        self.metrics.weight_version(version)
         log.info("reloaded %s as %s (was %s) in %.2f s", path, version, previous, seconds)
         return {
             "status": "ok",
@@ -200,37 +225,62 @@ class ReloadManager:
         except VerifyError as e:
             raise ReloadRefused(422, f"verification failed: {e}") from None
 
-    async def _swap(self, path: Path, version: str) -> tuple[str | None, float]:
-        """pause → update → continue (always) → confirm; (previous version, paused seconds)."""
+    async def _swap(self, path: Path, version: str, notes: list[str]) -> tuple[str | None, float]:
+        """pause → flush (best effort) → update → continue (always) → read back; (previous version,
+        paused seconds)."""
         try:
             previous = await self.engine.weight_version()
         except EngineError as e:
             raise ReloadRefused(502, f"engine unavailable before the reload: {e}") from None
         failure: str | None = None
+        self.in_progress = True
         paused_at = time.perf_counter()
         try:
             await self.engine.pause_generation("in_place")
-            ok, message = await self.engine.update_weights_from_disk(str(path), weight_version=version)
+            flushed, _text = await self.engine.flush_cache()
+            if not flushed:
+                notes.append(
+                    "prefix cache not flushed: requests were in flight (their turns record both versions)"
+                )
+            async with asyncio.timeout(self.pause_limit_s):
+                ok, message = await self.engine.update_weights_from_disk(
+                    str(path), weight_version=version, flush_cache=False
+                )
             if not ok:
                 failure = f"engine refused the weights (old weights keep serving): {message}"
         except EngineError as e:
             failure = f"engine error during the reload: {e}"
+        except TimeoutError:
+            failure = f"the engine did not load the weights within {self.pause_limit_s:g} s"
         finally:
             try:
                 await self.engine.continue_generation()
             except EngineError as e:
                 log.error("continue_generation failed after a reload: %s", e)
                 failure = "; ".join(filter(None, [failure, f"continue_generation failed: {e}"]))
-        paused = time.perf_counter() - paused_at
+            paused = time.perf_counter() - paused_at
+            try:
+                now: str | None = await self.engine.weight_version()
+            except EngineError as e:
+                now = None
+                failure = "; ".join(filter(None, [failure, f"engine unavailable after the reload: {e}"]))
+            self.in_progress = False
+        self._served(now, path, version, previous)
+        if failure is None and now != version:
+            failure = f"engine reports weight_version {now!r} after the reload, not {version!r}"
         if failure is not None:
-            raise _Failed(failure, paused)
-        try:  # confirmed with get_model_info, as SGLang reports the version there too
-            now = (await self.engine.model_info()).get("weight_version")
-        except EngineError as e:
-            raise _Failed(f"engine unavailable after the reload: {e}", paused) from None
-        if now != version:
-            raise _Failed(f"engine reports weight_version {now!r} after the reload, not {version!r}", paused)
+            raise _Failed(f"{failure}; the engine serves {now!r}", paused)
         return previous, paused
+
+    def _served(self, now: str | None, path: Path, version: str, previous: str | None) -> None:
+        """Bring the worker's view in line with the label the engine reports after a reload."""
+        if now is None:
+            return  # unknown: status reads it again on the next GET
+        self.metrics.weight_version(now)
+        if now == version:
+            self.checkpoint = path
+        elif now != previous:  # neither: a restarted engine serving its start-up weights
+            self.checkpoint = None
 
     def _record(
         self,

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from core import protocol as p
 from core.budget import TEMPERATURE, TOP_P, BudgetLimits, StopReason, TurnGrant, WorkerBudget
 from core.chat_template import render_chat
-from core.records import ToolCall, TurnSpan, WorkerTrajectory
+from core.records import ToolCall, TurnSpan, VersionSpan, WorkerTrajectory
 from services.worker.retrieval_client import RetrievalFailed, ToolInputRejected
 
 IM_END = "<|im_end|>"
@@ -100,6 +100,8 @@ class TurnRecord:
     gen_end: int
     weight_version: str
     finish_reason: str
+    # (version, start, end) over this turn's tokens when a reload swapped weights mid-turn, else ().
+    version_spans: tuple[tuple[str, int, int], ...] = ()
     engine_s: float = 0.0  # waiting for /generate
     retrieval_s: float = 0.0  # waiting for the retrieval service
     total_s: float = 0.0  # the whole turn: generation, tools, observation, bookkeeping
@@ -179,6 +181,7 @@ class EpisodeResult:
                     generated_tokens=r.generated_tokens,
                     weight_version=r.weight_version,
                     finish_reason=r.finish_reason,
+                    version_spans=[VersionSpan(version=v, start=a, end=b) for v, a, b in r.version_spans],
                 )
                 for r in t.turns
             ],
@@ -347,6 +350,7 @@ class EpisodeRunner:
             gen_end=len(traj.token_ids),
             weight_version=str(out.weight_version or ""),
             finish_reason=out.finish_reason,
+            version_spans=out.version_spans,
             engine_s=time.perf_counter() - t0,
         )
         traj.turns.append(record)

@@ -361,6 +361,24 @@ def add_reload_routes(app: FastAPI, manager: ReloadManager, grpc_port: int | Non
     app.state.reload_manager = manager
 
 
+def add_ready_route(app: FastAPI, engine: Any, manager: ReloadManager, timeout_s: float) -> None:
+    """`GET /ready`, the pod's readiness: 200 when the engine generates (its /health_generate),
+    and 200 while this worker's own reload has generation paused (SGLang's health routes fail
+    during a pause, which would take the pod out of the Service for the length of every reload);
+    503 otherwise."""
+
+    @app.get("/ready", include_in_schema=False)
+    async def ready() -> JSONResponse:
+        if manager.in_progress:
+            return JSONResponse({"status": "reloading"})
+        try:
+            async with asyncio.timeout(timeout_s):
+                ok = await engine.health_generate()
+        except TimeoutError:
+            ok = False
+        return JSONResponse({"status": "ok" if ok else "engine unavailable"}, status_code=200 if ok else 503)
+
+
 def protocol_settings(settings: WorkerSettings) -> ProtocolSettings:
     """The runner's protocol settings; each is the worker setting of the same name."""
     return ProtocolSettings(**{f.name: getattr(settings, f.name) for f in fields(ProtocolSettings)})
@@ -417,7 +435,9 @@ def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
     )
     core = WorkerCore(runner, settings, metrics)
     started = time.time()
-    manager = ReloadManager(engine, settings.checkpoint_root, metrics)
+    manager = ReloadManager(
+        engine, settings.checkpoint_root, metrics, pause_limit_s=settings.reload_pause_limit_seconds
+    )
     watcher = watcher_for(settings, manager)
 
     @asynccontextmanager
@@ -436,6 +456,7 @@ def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
         lifespan=lifespan,
     )
     add_reload_routes(app, manager, settings.grpc_port)
+    add_ready_route(app, engine, manager, settings.ready_timeout_seconds)
     server = None
     if settings.grpc_port is not None:
         server = GrpcServer(SERVICE, settings, registry)

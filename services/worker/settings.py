@@ -121,3 +121,12 @@ class WorkerSettings(ServiceSettings):
         description="watch checkpoint_root and reload the newest complete export (SHA256SUMS written last)",
     )
     reload_watch_interval_seconds: float = Field(10.0, gt=0, description="how often the watcher looks")
+    reload_pause_limit_seconds: float = Field(
+        240.0,
+        gt=0,
+        description="longest a reload keeps generation paused waiting for the engine to load the weights; "
+        "the chart keeps the engine's liveness window above it",
+    )
+    ready_timeout_seconds: float = Field(
+        4.0, gt=0, description="how long GET /ready waits for the engine's /health_generate"
+    )

@@ -65,12 +65,21 @@ the keys. Takes $w.
 {{- fail (printf "worker.model.tokenizer (%s) must lie under worker.checkpoints.mountPath (%s)" . $mount) }}
 {{- end }}
 {{- end }}
-{{- $owned := list "--model-path" "--model" "--tp" "--tp-size" "--tensor-parallel-size" "--context-length" "--host" "--port" "--served-model-name" "--mem-fraction-static" "--enable-metrics" }}
+{{- $owned := list "--model-path" "--model" "--tp" "--tp-size" "--tensor-parallel-size" "--context-length" "--host" "--port" "--served-model-name" "--mem-fraction-static" "--enable-metrics" "--api-key" "--admin-api-key" "--enable-deterministic-inference" }}
 {{- range .engine.extraArgs }}
 {{- $flag := regexReplaceAll "=.*$" (toString .) "" }}
 {{- if has $flag $owned }}
-{{- fail (printf "worker.engine.extraArgs: %s is set by the chart; use the worker values (model.path, contextLength, engine.port, model.servedModelName, engine.memFractionStatic) instead" $flag) }}
+{{- fail (printf "worker.engine.extraArgs: %s is set by the chart; use the worker values (model.path, contextLength, engine.port, model.servedModelName, engine.memFractionStatic, engine.deterministicInference, adminToken) instead" $flag) }}
 {{- end }}
+{{- end }}
+{{- /* SGLang's health routes fail while a reload pauses generation (after SGLANG_HEALTH_CHECK_TIMEOUT,
+20 s by default): the liveness window must outlast the longest pause, or a reload restarts the engine. */}}
+{{- $live := .engine.probes.liveness }}
+{{- $window := mul (int64 $live.periodSeconds) (int64 $live.failureThreshold) }}
+{{- $healthTimeout := int64 (index .engine.extraEnv "SGLANG_HEALTH_CHECK_TIMEOUT" | default 20) }}
+{{- $pause := int64 .reload.maxPauseSeconds }}
+{{- if le $window (add $pause $healthTimeout) }}
+{{- fail (printf "worker.engine.probes.liveness: periodSeconds x failureThreshold (%d s) must be longer than worker.reload.maxPauseSeconds (%d s) plus SGLANG_HEALTH_CHECK_TIMEOUT (%d s): a hot reload would restart the engine" $window $pause $healthTimeout) }}
 {{- end }}
 {{- end }}
 
@@ -126,6 +135,8 @@ same path (the worker hands the engine the path as it sees it). Watch mode: extr
 BCSTACK_WORKER_RELOAD_WATCH: "true". */}}
 - name: BCSTACK_WORKER_CHECKPOINT_ROOT
   value: {{ trimSuffix "/" $w.checkpoints.mountPath | quote }}
+- name: BCSTACK_WORKER_RELOAD_PAUSE_LIMIT_SECONDS
+  value: {{ $w.reload.maxPauseSeconds | int64 | toString | quote }}
 {{- range $key, $env := dict "maxTokens" "MAX_TOKENS" "maxTurns" "MAX_TURNS" "maxNewTokensPerTurn" "MAX_NEW_TOKENS_PER_TURN" "maxConcurrentEpisodes" "MAX_CONCURRENT_EPISODES" }}
 - name: BCSTACK_WORKER_{{ $env }}
   value: {{ index $s $key | int64 | toString | quote }}
