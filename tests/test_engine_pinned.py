@@ -202,3 +202,30 @@ def test_the_admin_key_guards_the_admin_routes_only(kits) -> None:
 
     admin, rejected, normal, accepted = _scenario(kits, body)
     assert admin == [401] * 4 and rejected == 403 and normal == 200 and accepted == 200
+
+
+def test_a_seed_past_the_documented_range_is_a_400_and_the_largest_one_samples(kits) -> None:
+    # fuzz_http found a 500: a sampling_seed past int64 (SGLang keeps seeds in an int64 tensor)
+    # reached torch's generator. The documented range is I-JSON's; its ends sample, past them is a 400.
+    async def body(host, http):
+        document = (await http.get("/openapi.json")).json()
+        answers = {}
+        for seed in (2**53 - 1, -(2**53 - 1), 2**53, -172057395339549736960):
+            sampling = {"max_new_tokens": 2, "sampling_seed": seed}
+            answers[seed] = await http.post(
+                "/generate", json={"input_ids": [5, 6, 7], "sampling_params": sampling}
+            )
+        return document, answers
+
+    document, answers = _scenario(kits, body)
+    body = document["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    (sampling,) = [b for b in body["properties"]["sampling_params"]["anyOf"] if b.get("type") == "object"]
+    seed = sampling["properties"]["sampling_seed"]
+    (integer,) = [branch for branch in seed["anyOf"] if branch.get("type") == "integer"]
+    assert (integer["minimum"], integer["maximum"]) == (-(2**53 - 1), 2**53 - 1)
+    for ok in (2**53 - 1, -(2**53 - 1)):
+        assert answers[ok].status_code == 200, answers[ok].text
+        assert answers[ok].json()["meta_info"]["completion_tokens"] == 2
+    for refused in (2**53, -172057395339549736960):
+        assert answers[refused].status_code == 400, answers[refused].text
+        assert "sampling_seed" in answers[refused].json()["error"]["message"]

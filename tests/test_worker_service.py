@@ -187,6 +187,9 @@ def test_metrics_match_the_recorded_episodes_and_prometheus_scrapes_them(stack, 
         (_branch("q", budget=common_pb2.BudgetOverrides(max_tokens=0)), "positive integer"),
         (_branch("q", budget=common_pb2.BudgetOverrides(max_turns=-3)), "positive integer"),
         (_branch("q", sampling=common_pb2.SamplingOverrides(top_p=1.5)), "top_p"),
+        # bench/fuzz_grpc.py: an infinite temperature reached the engine's JSON body (UNKNOWN)
+        (_branch("q", sampling=common_pb2.SamplingOverrides(temperature=float("inf"))), "temperature"),
+        (_branch("q", sampling=common_pb2.SamplingOverrides(temperature=float("nan"))), "temperature"),
         (_branch("x" * 300_000), "limit"),
     ],
 )

@@ -128,17 +128,26 @@ class _Undecodable:
         self.reason = reason
 
 
-# Status details travel as a percent-encoded trailer; a client refuses trailers over 16 KiB and
-# then reports RESOURCE_EXHAUSTED ("metadata size exceeds hard limit") instead of the real error.
-# 1,000 characters (at most ~12 KiB encoded) keep any message readable and receivable.
-MAX_STATUS_DETAILS_CHARS = 1000
+# Status details travel as a percent-encoded trailer (gRPC's HTTP/2 protocol: every byte outside
+# printable ASCII, and `%`, as `%XX`); a client warns over 8 KiB of metadata and may then drop the
+# stream as RESOURCE_EXHAUSTED ("metadata size exceeds soft limit") instead of the real error. A
+# cut by characters was not enough: 1,000 characters of non-ASCII text encoded to 11,713 bytes
+# (bench/fuzz_grpc.py, WorkerService.RunEpisodes). So the budget is of encoded bytes.
+MAX_STATUS_DETAILS_BYTES = 2000
 
 
-def cut_details(details: str, limit: int = MAX_STATUS_DETAILS_CHARS) -> str:
-    """`details` shortened to `limit` characters, saying how much was cut."""
-    if len(details) <= limit:
-        return details
-    return f"{details[:limit]}... ({len(details) - limit} more characters cut)"
+def _encoded_size(char: str) -> int:
+    return 1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8", "surrogatepass"))
+
+
+def cut_details(details: str, limit: int = MAX_STATUS_DETAILS_BYTES) -> str:
+    """`details` shortened to at most `limit` bytes once percent-encoded, saying how much was cut."""
+    size = 0
+    for end, char in enumerate(details):
+        size += _encoded_size(char)
+        if size > limit:
+            return f"{details[:end]}... ({len(details) - end} more characters cut)"
+    return details
 
 
 class _CutDetails:

@@ -40,7 +40,9 @@ class SamplingParamsBody(BaseModel):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     no_stop_trim: bool | None = False
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(
+        None, ge=-(2**53 - 1), le=2**53 - 1, description="a 400 past I-JSON's integers (protocol.py)"
+    )
     # Accepted and ignored: they only shape how text is streamed or spaced.
     spaces_between_special_tokens: Any = Field(None, description="accepted and ignored")
     stream_interval: Any = Field(None, description="accepted and ignored")

@@ -39,6 +39,10 @@ from typing import Any
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams.max_new_tokens
 SAMPLING_EPS = 1e-6  # SamplingParams: 0 <= temperature < 1e-6 means greedy
+# SGLang keeps the seeds of a batch in an int64 tensor (sampling_batch_info.py, `sampling_seed`);
+# a larger one crashed our engine's generator with a 500 (fuzz_http). The bound is I-JSON's (RFC
+# 7493: integers a double holds exactly), so a schema tool reading the document sees the same limit.
+MAX_SAMPLING_SEED = 2**53 - 1
 BATCH_UNSUPPORTED = (
     "Batch requests (a list of prompts) are not supported by the CPU engine; send one prompt per request."
 )
@@ -236,8 +240,8 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
         raise RequestError("stop_token_ids must be a list of integers.")
 
     seed = raw.get("sampling_seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError(f"sampling_seed must be an integer, got {seed!r}.")
+    if seed is not None and not (_is_int(seed) and abs(int(seed)) <= MAX_SAMPLING_SEED):
+        raise RequestError(f"sampling_seed must be an integer of magnitude at most 2**53 - 1, got {seed!r}.")
     seed = None if seed is None else int(seed)
 
     return SamplingParams(

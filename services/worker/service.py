@@ -10,6 +10,7 @@ RESOURCE_EXHAUSTED at once (backpressure: the caller tries another replica or la
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -125,12 +126,14 @@ class WorkerCore:
             top_k=o.top_k if o.HasField("top_k") else s.top_k,
             seed=o.seed if o.HasField("seed") else None,
         )
+        # A float field of a protobuf can hold inf and NaN, which neither the checks' comparisons
+        # (NaN < 0 is false) nor the engine's JSON body can carry (bench/fuzz_grpc.py: UNKNOWN).
         if (
-            sampling.temperature < 0
+            not 0 <= sampling.temperature < math.inf
             or not 0 < sampling.top_p <= 1
             or (sampling.top_k is not None and sampling.top_k < 1)
         ):
-            raise InvalidTask("sampling: temperature >= 0, 0 < top_p <= 1, top_k >= 1")
+            raise InvalidTask("sampling: 0 <= temperature (finite), 0 < top_p <= 1, top_k >= 1")
         return sampling
 
     def prepare(self, request: worker_pb2.RunWorkerEpisodeRequest) -> Prepared:
