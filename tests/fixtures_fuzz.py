@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import find_free_port
-from stack_util import BcstackProcess, bcstack_processes
+from stack_util import BcstackProcess, ProcessExited, bcstack_processes
 
 from devkit.fuzzstack import HTTP_SERVICES, STACK_ENV, FuzzProcess, stack_layout
 
@@ -45,12 +45,27 @@ class FuzzStack:
         return None
 
 
+# A free port is free when asked for, not when bound: under pytest-xdist another worker's process
+# took one of the stack's eleven between the two (CI-like run: "address already in use").
+PORT_ATTEMPTS = 3
+
+
 @contextlib.contextmanager
 def started_stack(kit: Path, work: Path, timeout: float = 180) -> Iterator[FuzzStack]:
-    """The stack's processes on `kit` (world/, tiny/, idx/), healthy, until the block ends."""
-    layout = stack_layout(kit, work, find_free_port)
-    with bcstack_processes([(p.args, p.health_url) for p in layout], timeout=timeout, env=STACK_ENV) as procs:
-        yield FuzzStack(layout, procs, work)
+    """The stack's processes on `kit` (world/, tiny/, idx/), healthy, until the block ends; on new
+    ports when a process could not bind its own."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        layout = stack_layout(kit, work, find_free_port)
+        specs = [(p.args, p.health_url) for p in layout]
+        with contextlib.ExitStack() as running:
+            try:
+                procs = running.enter_context(bcstack_processes(specs, timeout=timeout, env=STACK_ENV))
+            except ProcessExited as exc:
+                if "address already in use" in str(exc) and attempt < PORT_ATTEMPTS:
+                    continue
+                raise
+            yield FuzzStack(layout, procs, work)
+            return
 
 
 _running: dict[str, contextlib.ExitStack] = {}

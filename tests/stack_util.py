@@ -26,7 +26,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
-from conftest import find_free_port, wait_until
+from conftest import find_free_port
+
+
+class ProcessExited(AssertionError):
+    """A started bcstack process ended before it became healthy (its log in the message)."""
 
 
 class BcstackProcess:
@@ -54,15 +58,21 @@ class BcstackProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_healthy(self, health_url: str, timeout: float) -> None:
-        def up() -> bool:
+        """Until `health_url` answers 200; ProcessExited at once if the process ends first (a
+        process that exited does not come up: waiting out the timeout cost 180 s of the suite)."""
+        what = " ".join(self.args[:2])
+        deadline = time.monotonic() + timeout
+        while True:
             if self.proc.poll() is not None:
-                raise AssertionError(f"{' '.join(self.args[:2])} exited {self.proc.returncode}: {self.log()}")
+                raise ProcessExited(f"{what} exited {self.proc.returncode}: {self.log()}")
             try:
-                return httpx.get(health_url, timeout=1).status_code == 200
+                if httpx.get(health_url, timeout=1).status_code == 200:
+                    return
             except httpx.HTTPError:
-                return False
-
-        wait_until(up, timeout=timeout, interval=0.2, message=f"{' '.join(self.args[:2])} to become healthy")
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not healthy within {timeout:.0f} s: {self.log()[-2000:]}")
+            time.sleep(0.2)
 
     def kill(self) -> None:
         """SIGKILL: no shutdown code runs (what a crash or an OOM kill looks like)."""
