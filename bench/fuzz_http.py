@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, print_machine, require_clean_tree, write_results  # noqa: E402
@@ -113,7 +114,7 @@ def main() -> int:
                 pool.submit(
                     fuzz_service, service, stack.urls[service], examples=1, cases=args.cases,
                     examples_for={"POST /v1/episodes": args.episodes} if service == "coordinator" else None,
-                    seed=seed,
+                    seed=seed, progress=True,
                 )
                 for service in services
             ]  # fmt: skip

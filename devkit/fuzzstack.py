@@ -109,7 +109,8 @@ def stack_layout(kit: Path, work: Path, free_port: Callable[[], int]) -> list[Fu
         ),
         FuzzProcess(
             "judge",
-            ["serve", "judge", "--port", str(port["j"]), "--grpc-port", str(port["jg"])],
+            ["serve", "judge", "--cache", str(work / "judge-cache.sqlite"), "--port", str(port["j"]),
+             "--grpc-port", str(port["jg"])],
             http("j"), grpc("jg"), ("bcstack.v1.JudgeService",),
         ),
         FuzzProcess(
