@@ -100,7 +100,25 @@ class CoordinatorSettings(ServiceSettings):
 
     # --- records ---
     records_path: Path = Field(
-        Path("coordinator-records.sqlite"), description="SQLite file of durable episode records"
+        Path("coordinator-records.sqlite"),
+        description="SQLite file of durable episode records (one gateway); unused when records_url is set",
+    )
+    records_url: OptionalSecret = Field(
+        None,
+        description="PostgreSQL URL of a record store shared by every gateway replica "
+        "(postgresql://USER@HOST:5432/DB); the password in it or in PGPASSWORD; never logged",
+    )
+    replica_name: str | None = Field(
+        None,
+        max_length=200,
+        description="this gateway's name in episode claims (the pod's name); unset = HOST:PID",
+    )
+    claim_lease_seconds: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="an episode's claim lapses this long after its replica's last heartbeat; a retry "
+        "on another replica then runs it again under the same id",
     )
 
     # --- the episode viewer (GET /ui; README "Episode viewer") ---
