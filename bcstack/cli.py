@@ -293,8 +293,12 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 
 @records_app.command("export")
 def records_export(
-    records: Path = typer.Option(
-        ..., "--records", metavar="FILE", help="The gateway's record file (may be in use by a running stack)."
+    records: str = typer.Option(
+        ...,
+        "--records",
+        metavar="FILE|URL",
+        help="The gateway's record file (may be in use by a running stack), or the gateways' PostgreSQL "
+        "store (postgresql://USER@HOST/DB; the password from the URL or PGPASSWORD).",
     ),
     out: Path = typer.Option(..., "--out", metavar="FILE", help="Where the copy goes (replaced when there)."),
     fmt: str = typer.Option(
@@ -313,10 +317,20 @@ def records_export(
     import sqlite3
 
     from core.kit.cli import fail
-    from core.record_store import RecordStore, RecordStoreError
+    from core.record_store import RecordStoreError, SqliteRecordStore, is_database_url, open_record_store
 
     if fmt not in RECORD_FORMATS:
         fail(f"--format {fmt}: choose {' or '.join(RECORD_FORMATS)}")
+    if is_database_url(records):
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open_record_store(records) as store:
+                n = store.export(out, fmt=fmt)
+        except (RecordStoreError, OSError) as e:
+            fail(f"--records: {e}")
+        typer.echo(f"{n} record(s) written to {out} ({fmt})")
+        return
+    records = Path(records)
     if not records.is_file():
         fail(f"--records {records}: no such file")
     if out.resolve() == records.resolve():
@@ -338,7 +352,7 @@ def records_export(
         fail(f"--records {records}: not a record store (no episodes table)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with RecordStore(records) as store:
+        with SqliteRecordStore(records) as store:
             n = store.export(out, fmt=fmt)
     except (RecordStoreError, OSError) as e:
         fail(f"--records {records}: {e}")

@@ -56,18 +56,19 @@ def _from_gateway(gateway: str, episode_id: str) -> dict:
         fail(f"the gateway {gateway} answered something that is not JSON")
 
 
-def _from_records(path: Path, episode_id: str) -> dict:
-    from core.record_store import RecordStore, RecordStoreError
+def _from_records(target: str, episode_id: str) -> dict:
+    from core.record_store import RecordStoreError, is_database_url, open_record_store
 
-    if not path.is_file():
-        fail(f"--records {path}: no such file")
+    if not is_database_url(target) and not Path(target).is_file():
+        fail(f"--records {target}: no such file")
     try:
-        with RecordStore(path) as store:
+        with open_record_store(target) as store:
             data = store.get(episode_id)
+            where = store.location
     except RecordStoreError as exc:
         fail(str(exc))
     if data is None:
-        fail(f"no recorded episode {episode_id!r} in {path}", 1)
+        fail(f"no recorded episode {episode_id!r} in {where}", 1)
     return data
 
 
@@ -102,8 +103,12 @@ def show(
         metavar="DIR",
         help="Read the gateway (and the tokenizer) from `bcstack up`'s stack.json.",
     ),
-    records: Path = typer.Option(
-        None, "--records", metavar="FILE", help="Read the gateway's record file directly (no gateway needed)."
+    records: str = typer.Option(
+        None,
+        "--records",
+        metavar="FILE|URL",
+        help="Read the records directly (no gateway needed): the gateway's SQLite file or the gateways' "
+        "PostgreSQL store (postgresql://USER@HOST/DB; the password from the URL or PGPASSWORD).",
     ),
     tokenizer: Path = typer.Option(
         None,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from core.record_store import RecordStore, RecordStoreError
+from core.record_store import RecordStoreError, SqliteRecordStore
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,19 +37,19 @@ def test_a_big_record_round_trips_exactly_and_is_stored_compressed(tmp_path):
         grades={"correct": True, "score": 0.75},
         answer="Ünïcödé ✓",
     )
-    with RecordStore(path) as store:
+    with SqliteRecordStore(path) as store:
         store.put(record)
         assert store.get("ep-big") == record
         assert store.get("missing") is None
         assert store.count() == 1
     raw_json_bytes = len(json.dumps(record).encode())
     assert path.stat().st_size < raw_json_bytes / 2  # closed: the WAL is checkpointed into the file
-    with RecordStore(path) as reopened:
+    with SqliteRecordStore(path) as reopened:
         assert reopened.get("ep-big") == record
 
 
 def test_created_at_is_filled_in_when_missing(tmp_path):
-    with RecordStore(tmp_path / "r.sqlite") as store:
+    with SqliteRecordStore(tmp_path / "r.sqlite") as store:
         store.put(make_record("ep-1"))
         stored = store.get("ep-1")
         assert isinstance(stored["created_at"], float) and stored["created_at"] > 1_600_000_000
@@ -57,7 +57,7 @@ def test_created_at_is_filled_in_when_missing(tmp_path):
 
 
 def test_finished_records_are_immutable(tmp_path):
-    with RecordStore(tmp_path / "r.sqlite") as store:
+    with SqliteRecordStore(tmp_path / "r.sqlite") as store:
         first = make_record("ep-1", answer="first")
         store.put(first)
         with pytest.raises(RecordStoreError, match="episode ep-1 is already recorded"):
@@ -67,7 +67,7 @@ def test_finished_records_are_immutable(tmp_path):
 
 
 def test_records_without_an_episode_id_or_status_are_refused(tmp_path):
-    with RecordStore(tmp_path / "r.sqlite") as store:
+    with SqliteRecordStore(tmp_path / "r.sqlite") as store:
         with pytest.raises(ValueError, match="episode_id"):
             store.put({"status": "finished"})
         with pytest.raises(ValueError, match="status"):
@@ -76,7 +76,7 @@ def test_records_without_an_episode_id_or_status_are_refused(tmp_path):
 
 
 def test_list_gives_summaries_newest_first_with_limit_and_question_filter(tmp_path):
-    with RecordStore(tmp_path / "r.sqlite") as store:
+    with SqliteRecordStore(tmp_path / "r.sqlite") as store:
         for i, question in enumerate(["q1", "q2", "q1", None, "q1"]):
             store.put(
                 make_record(
@@ -117,8 +117,8 @@ def test_a_record_survives_sigkill_right_after_put_returns(tmp_path):
         import os, sys
         from pathlib import Path
         sys.path.insert(0, {str(REPO_ROOT)!r})
-        from core.record_store import RecordStore
-        store = RecordStore(Path({str(path)!r}))
+        from core.record_store import SqliteRecordStore
+        store = SqliteRecordStore(Path({str(path)!r}))
         store.put({{"episode_id": "ep-a", "status": "finished", "question_id": "q1", "created_at": 1.0}})
         store.put({{"episode_id": "ep-b", "status": "finished", "token_ids": list(range(50_000)),
                     "created_at": 2.0}})
@@ -128,7 +128,7 @@ def test_a_record_survives_sigkill_right_after_put_returns(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert result.returncode == -signal.SIGKILL, result.stderr
 
-    with RecordStore(path) as store:
+    with SqliteRecordStore(path) as store:
         assert store.count() == 2
         assert store.get("ep-b")["token_ids"] == token_ids
         assert [r["episode_id"] for r in store.list()] == ["ep-b", "ep-a"]
@@ -139,7 +139,7 @@ def test_a_record_survives_sigkill_right_after_put_returns(tmp_path):
 
 
 def test_sixteen_threads_put_and_read_concurrently(tmp_path):
-    store = RecordStore(tmp_path / "r.sqlite")
+    store = SqliteRecordStore(tmp_path / "r.sqlite")
     errors: list[BaseException] = []
     start = threading.Barrier(16)
 
@@ -170,7 +170,7 @@ def test_a_corrupt_file_is_a_clear_error_naming_it(tmp_path):
     path = tmp_path / "records.sqlite"
     path.write_bytes(os.urandom(8192))
     with pytest.raises(RecordStoreError) as excinfo:
-        RecordStore(path)
+        SqliteRecordStore(path)
     message = str(excinfo.value)
     assert str(path) in message and "\n" not in message
 
@@ -182,12 +182,12 @@ def test_a_foreign_sqlite_database_is_a_clear_error_naming_it(tmp_path):
     conn.commit()
     conn.close()
     with pytest.raises(RecordStoreError, match="not a coordinator record file") as excinfo:
-        RecordStore(path)
+        SqliteRecordStore(path)
     assert str(path) in str(excinfo.value)
 
 
 def test_a_closed_store_says_so(tmp_path):
-    store = RecordStore(tmp_path / "r.sqlite")
+    store = SqliteRecordStore(tmp_path / "r.sqlite")
     store.close()
     store.close()
     with pytest.raises(RecordStoreError, match="closed"):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.record_store import RecordStore
+from core.record_store import SqliteRecordStore
 from core.records import (
     SCHEMA,
     SCHEMA_V1,
@@ -39,7 +39,7 @@ def v1() -> dict[str, Any]:
 def test_a_record_stored_by_the_previous_gateway_loads_as_the_current_schema(tmp_path: Path) -> None:
     data = v1()
     assert data["schema"] == SCHEMA_V1
-    with RecordStore(tmp_path / "r.sqlite") as store:
+    with SqliteRecordStore(tmp_path / "r.sqlite") as store:
         store.put(data)
         stored = store.get(data["episode_id"])
     record = EpisodeRecord.load(stored)

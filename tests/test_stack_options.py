@@ -22,7 +22,7 @@ from bcstack import stack
 from bcstack.cli import app
 from bcstack.stack import StackError, down, plan, up
 from core.kit.settings import load_settings
-from core.record_store import RecordStore
+from core.record_store import SqliteRecordStore
 from services.engine.settings import EngineSettings
 from services.worker.settings import WorkerSettings
 from trainer.data import read_records
@@ -251,7 +251,7 @@ def test_an_index_to_build_gets_the_dense_backend_asked_for(tmp_path, monkeypatc
 
 def test_records_export_copies_a_live_store_to_jsonl_and_sqlite(tmp_path):
     path = tmp_path / "records.sqlite"
-    store = RecordStore(path)
+    store = SqliteRecordStore(path)
     ids = [f"e{i}" for i in range(5)]
     try:
         for i, episode_id in enumerate(ids):
@@ -300,7 +300,7 @@ def test_records_export_refuses_what_is_not_a_record_store(tmp_path):
     assert "not a record store (no episodes table)" in export(other)
     with sqlite3.connect(other) as conn:  # left as it was: still not in WAL mode
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
-    RecordStore(tmp_path / "r.sqlite").close()
+    SqliteRecordStore(tmp_path / "r.sqlite").close()
     assert "--format csv: choose jsonl or sqlite" in export(tmp_path / "r.sqlite", fmt="csv")
     assert not (tmp_path / "o").exists()
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from core.record_store import RecordStore
+from core.record_store import SqliteRecordStore
 from trainer.data import Sample, SampleError, group_samples, load_samples, samples_from_record
 
 
@@ -286,7 +286,7 @@ def test_load_jsonl_bad_line_names_it(tmp_path: Path) -> None:
 
 def test_load_from_coordinator_record_store(tmp_path: Path) -> None:
     path = tmp_path / "coordinator-records.sqlite"
-    with RecordStore(path) as store:
+    with SqliteRecordStore(path) as store:
         for i, rec in enumerate(_mixed_records()):
             store.put({**rec, "created_at": 1000.0 + i})
     samples, counts = load_samples(path, contributions={"e2-w1": 0.75}, strict=False)

@@ -169,9 +169,9 @@ def test_bad_input_is_one_error_line(stack: dict[str, Path], tmp_path: Path, cas
         records = tmp_path / "empty.jsonl"
         records.write_text("")
     elif case == "no gold":
-        from core.record_store import RecordStore
+        from core.record_store import SqliteRecordStore
 
-        with RecordStore(stack["records"]) as store:
+        with SqliteRecordStore(stack["records"]) as store:
             record = store.get(store.list(limit=1)[0]["episode_id"])
         records = tmp_path / "nogold.jsonl"
         records.write_text(json.dumps({**record, "gold_answer": None}) + "\n")

@@ -20,7 +20,7 @@ from viewer_records import LONG_PAGE, WORKER_TURNS, build_tokenizer, known_recor
 
 from bcstack.cli import app as cli_app
 from core import budget
-from core.record_store import RecordQuery, RecordStore
+from core.record_store import RecordQuery, SqliteRecordStore
 from services.coordinator.episode_list import list_view, parse_filters
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.viewer import TokenDecoder, episode_view, split_thinking
@@ -174,14 +174,14 @@ def _varied() -> list:
     ]
 
 
-def _ids(store: RecordStore, **query) -> list[str]:
+def _ids(store: SqliteRecordStore, **query) -> list[str]:
     rows, total = store.search(RecordQuery(**query))
     assert total == len(rows)
     return [r["episode_id"] for r in rows]
 
 
 def test_each_filter_narrows_the_records(tmp_path: Path) -> None:
-    with RecordStore(seed_store(tmp_path / "r.sqlite", _varied())) as store:
+    with SqliteRecordStore(seed_store(tmp_path / "r.sqlite", _varied())) as store:
         assert _ids(store) == ["e", "d", "c", "b", "a"]  # newest first
         assert _ids(store, status="finish") == ["e", "c", "a"]
         assert _ids(store, group_id="g2") == ["d", "c"]
@@ -217,12 +217,12 @@ def test_a_version_1_record_file_is_migrated_and_stays_readable(tmp_path: Path) 
     )
     conn.commit()
     conn.close()
-    with RecordStore(path) as store:
+    with SqliteRecordStore(path) as store:
         assert store.get("old-1") == old
         assert _ids(store, group_id="g-old", weight_version="v7", graded="incorrect") == ["old-1"]
         store.put(plain_record("new-1", group_id="g-old").dump())
         assert _ids(store, group_id="g-old") == ["new-1", "old-1"]
-    with RecordStore(path) as store:  # opened again: already version 2, nothing to do
+    with SqliteRecordStore(path) as store:  # opened again: already version 2, nothing to do
         assert store.count() == 2
 
 
@@ -230,7 +230,7 @@ def test_paging_walks_every_record_once_and_keeps_the_filters(tmp_path: Path) ->
     records = [
         plain_record(f"p{i:02d}", status="finish" if i % 4 else "error", created_at=T0 + i) for i in range(23)
     ]
-    with RecordStore(seed_store(tmp_path / "r.sqlite", records)) as store:
+    with SqliteRecordStore(seed_store(tmp_path / "r.sqlite", records)) as store:
         seen, params = [], {"status": "finish", "per_page": "5"}
         for _ in range(10):
             page = list_view(store, params)

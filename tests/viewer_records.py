@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.chat_template import render_chat
-from core.record_store import RecordStore
+from core.record_store import SqliteRecordStore
 from core.records import (
     CoordinatorLog,
     CoordinatorTurn,
@@ -279,7 +279,7 @@ def plain_record(
 
 
 def seed_store(path: Path, records: list[EpisodeRecord]) -> Path:
-    with RecordStore(path) as store:
+    with SqliteRecordStore(path) as store:
         for record in records:
             store.put(record.dump())
     return path

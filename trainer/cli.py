@@ -170,11 +170,13 @@ class MixedVersions(StrEnum):
 
 @app.command("grpo")
 def grpo(
-    records: Path | None = typer.Option(
+    records: str | None = typer.Option(
         None,
         "--records",
-        help="Episode records: the coordinator gateway's SQLite record file or a JSONL file of records. "
-        "Required unless --env.",
+        metavar="FILE|URL",
+        help="Episode records: the coordinator gateway's SQLite record file, a JSONL file of records, or "
+        "the gateways' PostgreSQL store (postgresql://USER@HOST/DB; snapshotted to OUT/records.sqlite "
+        "first). Required unless --env.",
         show_default=False,
     ),
     model: Path = typer.Option(
@@ -381,6 +383,7 @@ def grpo(
         layout = init_layout(tp)  # before loading anything: joins the torchrun job, if any
     except LayoutError as error:
         fail(str(error))
+    records = _records_file(records, out, ranks=layout.env.world_size)
     from core.checkpoint import VerifyError
     from trainer.checkpoint import CheckpointError
     from trainer.data import SampleError
@@ -583,3 +586,26 @@ def distill(
         f"distilled {summary['updates']} updates in {summary['seconds']} s; merged BF16 export in "
         f"{summary['serving']} (logits check {'passed' if summary['logits_check'] else 'FAILED'})"
     )
+
+
+def _records_file(records: str, out: Path, *, ranks: int) -> Path:
+    """The records as a file: a PostgreSQL store is snapshotted to OUT/records.sqlite (one consistent
+    set for grading and training, kept beside the checkpoints that came from it)."""
+    from core.record_store import RecordStoreError, is_database_url, open_record_store
+
+    if not is_database_url(records):
+        return Path(records)
+    if ranks > 1:
+        fail(
+            "--records URL with several processes: export the records once first "
+            "(bcstack records export --records URL --out FILE --format sqlite) and pass FILE"
+        )
+    snapshot = out / "records.sqlite"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open_record_store(records) as store:
+            n = store.export(snapshot, fmt="sqlite")
+    except (RecordStoreError, OSError) as exc:
+        fail(f"--records: {exc}")
+    typer.echo(f"{n} record(s) from {store.location} snapshotted to {snapshot}")
+    return snapshot

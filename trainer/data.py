@@ -195,9 +195,9 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _sqlite_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    from core.record_store import RecordStore
+    from core.record_store import SqliteRecordStore
 
-    with RecordStore(path) as store:
+    with SqliteRecordStore(path) as store:
         # list() is newest first; the trainer reads in the order episodes finished.
         summaries = store.list(limit=store.count())
         for summary in reversed(summaries):

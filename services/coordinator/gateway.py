@@ -3,8 +3,14 @@
 `GatewayCore.run` runs one admitted episode: it leases the active endpoint from the registry (a swap
 never touches an episode in flight), runs `loop.run_episode` with that endpoint's chat client and
 the worker pool as the branch dispatcher, builds the `core.records.EpisodeRecord`, writes it durably
-(`core.record_store.RecordStore`: SQLite, fsync on commit) and only then returns it. The HTTP and
-gRPC transports around it are in `services.coordinator.service`.
+(`core.record_store`: SQLite for one gateway, PostgreSQL shared by replicas; a group commit) and
+only then returns it. The HTTP and gRPC transports around it are in `services.coordinator.service`.
+
+An episode id a client names is one episode across every replica sharing the record store
+(`GatewayCore.begin`): a recorded id answers its record; an unrecorded one is claimed in the store
+(this replica's name and a lease it renews while the episode runs) before it runs. A request for an
+id another replica is running waits until that one is recorded, or until its claim lapses (its
+replica died), and then runs it under the same id. The record's write drops the claim.
 
 A worker trajectory is validated where it enters the record (`core.records.trajectory_from_proto`):
 a worker that sends a broken one (mask and token counts that disagree, ...) gets its branch
@@ -25,7 +31,7 @@ from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.kit.upstream import EndpointSpec
-from core.record_store import RecordStore
+from core.record_store import RecordExists, RecordStore, default_replica
 from core.records import (
     CoordinatorLog,
     CoordinatorTurn,
@@ -269,6 +275,9 @@ class GatewayCore:
         self.metrics = metrics
         self.active = 0
         self._running: set[str] = set()
+        self.replica = settings.replica_name or default_replica()
+        self.lease_seconds = settings.claim_lease_seconds
+        self._claimed: set[str] = set()  # ids this replica holds a claim on (renewed by heartbeat())
 
     def limits_of(self, request: EpisodeRequest) -> LoopLimits:
         o = request.overrides or LoopOverrides()
@@ -307,6 +316,83 @@ class GatewayCore:
         self.active += 1
         self.metrics.active.inc()
         return Admission(episode_id, self.registry.active())
+
+    def _finish(self, episode_id: str) -> None:
+        """Give back what admit() reserved."""
+        self._running.discard(episode_id)
+        self._claimed.discard(episode_id)
+        self.active -= 1
+        self.metrics.active.dec()
+
+    async def begin(self, request: EpisodeRequest) -> Admission | EpisodeRecord:
+        """What a POST does before running an episode: a recorded id answers its record; else an
+        admission (a slot reserved; a named id claimed cluster-wide, waiting while another replica
+        runs it). Raises InvalidEpisode, GatewayFull, EpisodeRunning, RecordStoreError."""
+        if request.episode_id is not None:
+            old = await self.stored(request.episode_id)
+            if old is not None:  # a retried request: the recorded result, not a second episode
+                return old
+        admission = self.admit(request)
+        if request.episode_id is None:
+            return admission  # a fresh uuid: no other replica can hold it
+        try:
+            old = await self._claim(admission.episode_id)
+        except BaseException:
+            self._finish(admission.episode_id)
+            raise
+        if old is not None:
+            self._finish(admission.episode_id)
+            return old
+        return admission
+
+    async def _claim(self, episode_id: str) -> EpisodeRecord | None:
+        """Hold the claim on `episode_id` (None), or the record another replica made meanwhile."""
+        delay = 0.05
+        waited_for: str | None = None
+        while True:
+            holder = await asyncio.to_thread(self.store.claim, episode_id, self.replica, self.lease_seconds)
+            if holder is None:
+                self._claimed.add(episode_id)
+                # Recorded between our look and our claim (the record's write drops its claim)?
+                old = await self.stored(episode_id)
+                if old is not None:
+                    self._claimed.discard(episode_id)
+                    await asyncio.to_thread(self.store.release, episode_id, self.replica)
+                    return old
+                if waited_for is not None:
+                    log.warning(
+                        "episode %s: the claim of replica %s lapsed unrecorded; running it here",
+                        episode_id,
+                        waited_for,
+                    )
+                return None
+            if waited_for is None:
+                log.info("episode %s is running on replica %s; waiting for its record", episode_id, holder)
+            waited_for = holder
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            old = await self.stored(episode_id)
+            if old is not None:
+                return old
+
+    async def heartbeat(self) -> None:
+        """Renew this replica's claims every third of a lease, for as long as the gateway runs."""
+        failing = False
+        while True:
+            await asyncio.sleep(self.lease_seconds / 3)
+            if not self._claimed:
+                continue
+            try:
+                await asyncio.to_thread(
+                    self.store.renew, sorted(self._claimed), self.replica, self.lease_seconds
+                )
+                if failing:
+                    log.info("episode claims renewed again")
+                failing = False
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive a database outage
+                if not failing:
+                    log.error("cannot renew episode claims: %s", exc)
+                failing = True
 
     async def run(
         self,
@@ -349,7 +435,18 @@ class GatewayCore:
             record = episode_record(episode, request, episode_id, endpoint, limits, worker_ids)
             t0 = time.perf_counter()
             # Durable before anyone hears of it: a crash after this line loses nothing.
-            await asyncio.to_thread(self.store.put, record.dump())
+            try:
+                await self.store.put_async(record.dump())
+            except RecordExists:
+                # Another replica ran it too (this one's claim had lapsed) and recorded it first:
+                # the id is one episode, the stored one.
+                stored = await self.stored(episode_id)
+                if stored is None:
+                    raise
+                log.warning(
+                    "episode %s was recorded by another replica meanwhile; answering that record", episode_id
+                )
+                return stored
             self.metrics.record_seconds.observe(time.perf_counter() - t0)
             self.metrics.episode(episode, endpoint.name)
             log.info(
@@ -363,10 +460,20 @@ class GatewayCore:
                 endpoint.name,
             )
             return record
+        except BaseException:
+            if episode_id in self._claimed:  # not recorded: free the id for a retry at once
+                try:
+                    await asyncio.to_thread(self.store.release, episode_id, self.replica)
+                except Exception as exc:  # noqa: BLE001 - the claim lapses on its own
+                    log.warning(
+                        "episode %s: cannot release its claim (%s); it lapses in %g s",
+                        episode_id,
+                        exc,
+                        self.lease_seconds,
+                    )
+            raise
         finally:
-            self._running.discard(episode_id)
-            self.active -= 1
-            self.metrics.active.dec()
+            self._finish(episode_id)
 
     async def put_endpoint(self, change: EndpointChange) -> dict[str, Any]:
         before = self.registry.view()

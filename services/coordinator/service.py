@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,7 +32,7 @@ from core.kit.auth import require_admin
 from core.kit.grpc_server import GrpcServer
 from core.kit.http import create_app
 from core.kit.metrics import new_registry
-from core.record_store import RecordStore, RecordStoreError
+from core.record_store import RecordStore, RecordStoreError, SchemaTooNew, SqliteRecordStore
 from core.records import STOP_REASONS, EpisodeRecord
 from core.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator import openapi as doc
@@ -76,14 +78,20 @@ def build_http(
         if settings.probe_on_start:
             await core.registry.probe_active()
         log.info(
-            "coordinator gateway: endpoint %s active, %d worker replica(s), records in %s",
+            "coordinator gateway %s: endpoint %s active, %d worker replica(s), records in %s",
+            core.replica,
             core.registry.view()["active"],
             len(settings.workers),
-            settings.records_path,
+            core.store.location,
         )
+        tasks = [asyncio.create_task(core.heartbeat())]
+        if not records_ready(core.store):
+            tasks.append(asyncio.create_task(connect_records(core.store)))
         yield
         if background:  # streamed episodes whose client left: they still finish and are recorded
             await asyncio.wait(background, timeout=settings.shutdown_grace_seconds)
+        for task in tasks:
+            task.cancel()
 
     app = create_app(
         SERVICE,
@@ -93,9 +101,21 @@ def build_http(
             "active_episodes": core.active,
             "endpoint": core.registry.view()["active"],
             "uptime_s": round(time.time() - started),
+            "replica": core.replica,
+            **(
+                {}
+                if records_ready(core.store)
+                else {"status": "unavailable", "records": f"waiting for {core.store.location}"}
+            ),
         },
         lifespan=lifespan,
     )
+
+    async def store_unavailable(request: Any, exc: Exception) -> JSONResponse:
+        log.error("%s", exc)
+        return _error(503, f"the record store cannot be reached: {exc}", {"Retry-After": "2"})
+
+    app.add_exception_handler(RecordStoreError, store_unavailable)
 
     def refuse(exc: Exception) -> JSONResponse:
         if isinstance(exc, GatewayFull):
@@ -106,14 +126,12 @@ def build_http(
 
     @app.post("/v1/episodes", responses=doc.POST_EPISODE)
     async def post_episode(body: EpisodeRequest, stream: bool = Query(False)) -> Any:
-        if body.episode_id is not None:
-            old = await core.stored(body.episode_id)
-            if old is not None:  # a retried request: the recorded result, not a second episode
-                return response_body(old)
         try:
-            admission = core.admit(body)
+            admission = await core.begin(body)
         except (InvalidEpisode, GatewayFull, EpisodeRunning) as exc:
             return refuse(exc)
+        if isinstance(admission, EpisodeRecord):  # recorded already (here or on another replica)
+            return response_body(admission)
         if not stream:
             try:
                 return response_body(await core.run(body, admission))
@@ -219,18 +237,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             first = exc.errors()[0]
             where = ".".join(str(x) for x in first["loc"])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {first['msg']}")
-        if body.episode_id is not None:
-            old = await self.core.stored(body.episode_id)
-            if old is not None:
-                return response_message(old)
         try:
-            admission = self.core.admit(body)
+            admission = await self.core.begin(body)
         except InvalidEpisode as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except GatewayFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EpisodeRunning as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except RecordStoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the record store cannot be reached: {exc}")
+        if isinstance(admission, EpisodeRecord):
+            return response_message(admission)
         try:
             record = await self.core.run(body, admission)
         except RecordStoreError as exc:
@@ -281,10 +299,7 @@ def build(settings: CoordinatorSettings) -> tuple[FastAPI, GrpcServer | None, Ga
     )
     # A tokenizer that cannot be loaded stops the start (DecoderError, one line): it was asked for.
     decoder = TokenDecoder.load(settings.tokenizer) if settings.tokenizer is not None else None
-    try:
-        store = RecordStore(settings.records_path)
-    except RecordStoreError:
-        raise
+    store = open_store(settings)
     core = GatewayCore(settings, endpoints, pool, store, metrics)
     app = build_http(core, registry, time.time(), decoder)
     server = None
@@ -292,3 +307,44 @@ def build(settings: CoordinatorSettings) -> tuple[FastAPI, GrpcServer | None, Ga
         server = GrpcServer(SERVICE, settings, registry)
         server.add(coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server, CoordinatorServicer(core))
     return app, server, core
+
+
+def open_store(settings: CoordinatorSettings) -> RecordStore:
+    """The gateway's record store: PostgreSQL when `records_url` is set, else the SQLite file.
+
+    A PostgreSQL server that does not answer at start is not fatal: the gateway starts not ready
+    (/health 503, episodes 503) and connects when the server comes (`connect_records`). A schema
+    newer than this code, a bad URL or a bad SQLite file stop the start with one line."""
+    if settings.records_url is None:
+        return SqliteRecordStore(settings.records_path)
+    from core.record_store_pg import PostgresRecordStore
+
+    store = PostgresRecordStore(settings.records_url.get_secret_value(), wait=False, connect_timeout=5)
+    try:
+        store.connect()
+    except SchemaTooNew:
+        store.close()
+        raise
+    except RecordStoreError as exc:
+        log.error("%s; the gateway is not ready until it answers", exc)
+    return store
+
+
+def records_ready(store: RecordStore) -> bool:
+    return getattr(store, "ready", True)
+
+
+async def connect_records(store: RecordStore) -> None:
+    """Keep connecting to a record database that did not answer at start; a schema newer than this
+    code, found once it answers, stops the gateway (SIGTERM to itself, after one line)."""
+    while not records_ready(store):
+        try:
+            await asyncio.to_thread(store.connect)  # type: ignore[attr-defined]
+        except SchemaTooNew as exc:
+            log.critical("%s", exc)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        except RecordStoreError:
+            await asyncio.sleep(2)
+            continue
+        log.info("record database %s answers: the gateway is ready", store.location)
