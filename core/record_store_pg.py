@@ -40,6 +40,9 @@ from core.record_store import (
 )
 
 log = logging.getLogger("bcstack.records")
+# The pool logs a warning at every failed reconnection (every few seconds while the database is
+# down); the store reports an outage itself, once, in one line.
+logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
 
 # Each entry: (version, statements). Only ever appended; each runs once, in order, in one
 # transaction with the version bump. 1-2 mirror the SQLite file's history; 3 adds claims.
@@ -197,6 +200,7 @@ class PostgresRecordStore(RecordStore):
                 redact(f"not a PostgreSQL connection URL ({self.location}): {exc}")
             ) from None
         self.connect_timeout = connect_timeout
+        self._conninfo = conninfo
         self._pool = psycopg_pool.ConnectionPool(
             conninfo,
             min_size=1,
@@ -220,6 +224,15 @@ class PostgresRecordStore(RecordStore):
         detail = " ".join(str(exc).split()) or type(exc).__name__
         return redact(f"{what} record database {self.location}: {detail}")
 
+    def _why_not(self) -> str:
+        """Why the pool has no connection: one direct attempt says (a refused port, a wrong
+        password, no such database), where the pool's timeout alone does not."""
+        try:
+            psycopg.connect(self._conninfo).close()
+        except psycopg.Error as exc:
+            return self._message("cannot connect to", exc)
+        return f"cannot connect to record database {self.location} within {self.connect_timeout:g} s"
+
     @property
     def ready(self) -> bool:
         """Connected and migrated."""
@@ -233,9 +246,7 @@ class PostgresRecordStore(RecordStore):
             with self._pool.connection(timeout=self.connect_timeout) as conn:
                 migrate(conn, where=self.location)
         except psycopg_pool.PoolTimeout:
-            raise RecordStoreError(
-                f"cannot connect to record database {self.location} within {self.connect_timeout:g} s"
-            ) from None
+            raise RecordStoreError(self._why_not()) from None
         except psycopg.Error as exc:
             raise RecordStoreError(self._message("cannot prepare", exc)) from None
         self._ready = True

@@ -9,8 +9,10 @@ PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore
 PIP=("$PY" -m pip install --disable-pip-version-check -q -c constraints.txt)
 # openssl: a test signs a stand-in Kubernetes API certificate; chromium + chromium-driver: the
-# episode viewer's browser test (tests/test_viewer_browser.py) drives headless Chromium with selenium.
-APT_PACKAGES=(prometheus openssl chromium chromium-driver)
+# episode viewer's browser test (tests/test_viewer_browser.py) drives headless Chromium with selenium;
+# postgresql: the gateways' shared record store (`bcstack up --records postgres`, its tests start
+# their own server with initdb); haproxy: the front `bcstack up --gateways N` balances them with.
+APT_PACKAGES=(prometheus openssl chromium chromium-driver postgresql haproxy)
 
 # 1. Debian packages the tests use (a real Prometheus server scrapes our /metrics; openssl).
 missing=()
@@ -24,6 +26,8 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   # The Debian package starts a system Prometheus where an init system runs; tests start their own.
   $SUDO service prometheus stop >/dev/null 2>&1 || true
+  $SUDO service postgresql stop >/dev/null 2>&1 || true
+  $SUDO service haproxy stop >/dev/null 2>&1 || true
 fi
 
 # 2. torch first, the CPU build, before anything that depends on it.
