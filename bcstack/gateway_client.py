@@ -7,8 +7,9 @@ POST /v1/episodes, then the stored typed record from GET /v1/episodes/{id}. A ga
 reached (refused, or a connection dropped mid-episode: a crashed or restarting gateway) is retried
 with backoff `unreachable_attempts` times, or for `unreachable_wait_s` seconds when that is given.
 A 409 (the gateway is still running this episode id for an earlier request whose connection
-dropped) is waited for the same way. Retrying is safe because the body's `episode_id` makes it one
-episode: the gateway answers a recorded id from its records and runs an unrecorded one afresh.
+dropped) is waited for the same way, and so is a 502 or 504 from a front whose replica went away.
+Retrying is safe because the body's `episode_id` makes it one episode: the gateway answers a
+recorded id from its records and runs an unrecorded one afresh.
 Anything else is a `GatewayError` with one line.
 """
 
@@ -63,6 +64,11 @@ async def run_episode(
             continue
         if r.status_code == 409 and body.get("episode_id"):
             await away(f"episode {body['episode_id']} is still running there")
+            continue
+        if r.status_code in (502, 504) and body.get("episode_id"):
+            # A front (a load balancer, a Service's proxy) lost the replica running it: again, the
+            # same id, on another one.
+            await away(f"the front answered {r.status_code}")
             continue
         unreachable, away_since = 0, None
         if r.status_code in (429, 503):

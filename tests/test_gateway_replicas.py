@@ -1,0 +1,152 @@
+"""Three coordinator gateway replicas on one PostgreSQL record store, behind one HAProxy front (as a
+Kubernetes Service fronts a Deployment): an episode id means one episode across the replicas, and
+any replica answers for any record, also when a replica is SIGKILLed in the middle of a run.
+
+Real processes: Debian's PostgreSQL (tests/fixtures_pg.py), three `bcstack serve coordinator`,
+HAProxy (`bcstack.front`), the scripted coordinator LLM (`bcstack serve coordinator-llm`) and an
+instant worker service (`devkit.stubworker`), driven by the apps' own client
+(`bcstack.gateway_client.run_episode`, which retries with the same id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import random
+import signal
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import yaml
+from conftest import find_free_port
+from fixtures_pg import new_database, pg_server  # noqa: F401 (fixtures)
+from stack_util import bcstack_process, bcstack_processes
+
+from bcstack.front import HaproxyFront
+from bcstack.gateway_client import run_episode
+from devkit.stubworker import stub_worker
+
+REPLICAS = 3
+EPISODES = 2000
+CONCURRENCY = 256
+LEASE_SECONDS = 2.0
+
+
+@pytest.fixture
+def replicas(pg_server, tmp_path):  # noqa: F811
+    url = new_database(pg_server)
+    ports = {"llm": find_free_port(), "worker": find_free_port()}
+    stub = multiprocessing.get_context("spawn").Process(
+        target=stub_worker, args=(ports["worker"],), daemon=True
+    )
+    stub.start()
+    llm = f"http://127.0.0.1:{ports['llm']}"
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "endpoints": [{"name": "scripted", "base_url": llm + "/v1", "model": "scripted-coordinator"}],
+                "workers": [f"127.0.0.1:{ports['worker']}"],
+                "max_concurrent_episodes": 1024,
+                "claim_lease_seconds": LEASE_SECONDS,
+                "log_level": "WARNING",
+            }
+        )
+    )
+    http = [find_free_port() for _ in range(REPLICAS)]
+    specs = [
+        (
+            ["serve", "coordinator", "--config", str(config), "--port", str(port), "--grpc-port", "0"],
+            f"http://127.0.0.1:{port}/health",
+            {
+                "BCSTACK_COORDINATOR_RECORDS_URL": url,
+                "BCSTACK_COORDINATOR_REPLICA_NAME": f"gateway-{i}",
+            },
+        )
+        for i, port in enumerate(http)
+    ]
+    try:
+        with (
+            bcstack_process(["serve", "coordinator-llm", "--port", str(ports["llm"])], llm + "/health"),
+            bcstack_processes(specs) as gateways,
+            HaproxyFront(Path(tempfile.mkdtemp(prefix="front-", dir=tmp_path)), port=find_free_port(),
+                         backends=[f"127.0.0.1:{p}" for p in http]) as front,
+        ):  # fmt: skip
+            yield {
+                "url": url,
+                "front": front.url,
+                "gateways": [f"http://127.0.0.1:{p}" for p in http],
+                "procs": gateways,
+            }
+    finally:
+        stub.terminate()
+
+
+def test_two_thousand_episodes_across_three_replicas_one_killed_each_id_recorded_once(replicas):
+    done: list[str] = []
+    killed = asyncio.Event()
+
+    async def drive() -> None:
+        ids = [f"ep-{i:04d}" for i in range(EPISODES)]
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        for episode_id in ids:
+            queue.put_nowait(episode_id)
+        limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+            async def one_client() -> None:
+                while not queue.empty():
+                    episode_id = queue.get_nowait()
+                    body = {"question": f"Where was laureate {episode_id} born?", "episode_id": episode_id}
+                    record = await run_episode(client, replicas["front"], body, unreachable_wait_s=60)
+                    assert record.episode_id == episode_id
+                    done.append(episode_id)
+                    if len(done) == EPISODES // 3 and not killed.is_set():
+                        killed.set()
+                        os.kill(replicas["procs"][1].proc.pid, signal.SIGKILL)  # mid-run, episodes in flight
+
+            await asyncio.gather(*(one_client() for _ in range(CONCURRENCY)))
+
+    asyncio.run(drive())
+    assert killed.is_set() and sorted(done) == sorted(f"ep-{i:04d}" for i in range(EPISODES))
+
+    with psycopg.connect(replicas["url"]) as conn:
+        ids = [row[0] for row in conn.execute("SELECT episode_id FROM episodes")]
+        claims = conn.execute("SELECT count(*) FROM episode_claims").fetchone()[0]
+    counts = Counter(ids)
+    assert len(ids) == EPISODES and set(counts) == set(done) and max(counts.values()) == 1
+    assert claims == 0  # every claim went with its record (the killed replica's lapsed and were taken)
+
+    # Every record is readable on every live replica, whichever ran it.
+    live = [g for i, g in enumerate(replicas["gateways"]) if i != 1]
+    for episode_id in random.Random(0).sample(done, 100):
+        bodies = [httpx.get(f"{g}/v1/episodes/{episode_id}", timeout=30) for g in live]
+        assert [b.status_code for b in bodies] == [200] * len(live)
+        assert bodies[0].json() == bodies[1].json()
+    listed = httpx.get(f"{live[0]}/v1/episodes", params={"limit": 10_000}, timeout=30).json()
+    assert listed["count"] == EPISODES
+
+
+def test_a_named_episode_runs_once_when_sent_to_every_replica_at_once(replicas):
+    """The same id POSTed to all three replicas together: one runs it, the others wait and answer
+    its record."""
+
+    async def post_everywhere() -> list[dict]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"question": "Who was born in Tartu?", "episode_id": "shared-1"}
+            answers = await asyncio.gather(
+                *(client.post(f"{g}/v1/episodes", json=body) for g in replicas["gateways"])
+            )
+        assert [a.status_code for a in answers] == [200] * REPLICAS
+        return [a.json() for a in answers]
+
+    answers = asyncio.run(post_everywhere())
+    assert len({a["episode_id"] for a in answers}) == 1
+    assert len({repr(a) for a in answers}) == 1  # the very same record, not three runs
+    with psycopg.connect(replicas["url"]) as conn:
+        assert conn.execute("SELECT count(*) FROM episodes WHERE episode_id = 'shared-1'").fetchone()[0] == 1
