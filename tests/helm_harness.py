@@ -17,13 +17,16 @@ objects (`kinds`, `pod_spec`, `pod_specs`, `all_containers`, `env_of`, `mounted_
 `effective_values`, `default_paths`, `null_default_outcomes`), and checks every component makes
 (`assert_component_renders_clean`, `assert_values_rejected`, `assert_pod_disruption_budget`).
 
-Two behaviours of the SDK that the helpers account for:
+Three behaviours of the SDK that the helpers account for:
 - `Chart.render` is Helm's template engine alone (like `helm template`): it validates the values
   against values.schema.json and runs the templates, but it does not check Chart.yaml's
   `kubeVersion`, and it returns NOTES.txt among the manifests. `render_chart` drops NOTES.txt
   (see `render_notes`) and parses each manifest file in template-path order.
 - `helm_python.lint` runs templates in Helm's lint mode, where `required` only logs a warning
   instead of failing; a missing required value is caught by rendering, not by linting.
+- `Chart.render` has no `api_versions` argument, though the library under it takes the option
+  (`helm template --api-versions`, which sets .Capabilities.APIVersions): `render_chart(...,
+  api_versions=[...])` passes it to the library's render call directly (`_render`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+from helm_python import _native as helm_native
 
 CHART_DIR = Path(__file__).resolve().parents[1] / "charts" / "bcstack"
 
@@ -48,12 +52,14 @@ CHART_DIR = Path(__file__).resolve().parents[1] / "charts" / "bcstack"
 # check agree on one release.
 K8S_VERSION = "1.36.0"
 
-# Kinds from CRDs the chart may render (prometheus-operator's, for metrics.serviceMonitor) that
-# kubernetes_validate has no schema for: they get a structural check only.
+# Kinds from CRDs the chart may render (prometheus-operator's, for metrics.serviceMonitor;
+# CloudNativePG's, for coordinator.records.postgres.cnpg) that kubernetes_validate has no schema
+# for: they get a structural check only.
 CRD_KINDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("postgresql.cnpg.io/v1", "Cluster"),
 }
 
 SEVERITY_ERROR = 3
@@ -69,6 +75,21 @@ class ManifestInvalidError(AssertionError):
     """Rendered objects that Kubernetes would reject."""
 
 
+def _render(
+    chart: helm.Chart, values: Mapping[str, Any], release: str, namespace: str, api_versions: list[str]
+) -> dict[str, str]:
+    """`chart.render`, plus the API versions the cluster is assumed to serve: helm_python's render
+    call ("helm_render" of its C library) reads them from its options as `api_versions`, but
+    `Chart.render` does not pass them on."""
+    if not api_versions:
+        return chart.render(dict(values), name=release, namespace=namespace)
+    options = {"name": release, "namespace": namespace, "api_versions": api_versions}
+    rendered = helm_native.call_string(
+        "helm_render", chart._raw(), json.dumps(dict(values)), json.dumps(options)
+    )
+    return json.loads(rendered)
+
+
 def render_templates(
     values: Mapping[str, Any] | None = None,
     release: str = "bc",
@@ -76,27 +97,30 @@ def render_templates(
     *,
     chart_dir: Path = CHART_DIR,
     extra_templates: Mapping[str, str] | None = None,
+    api_versions: Iterable[str] = (),
 ) -> dict[str, str]:
     """Every rendered template file, by path (`bcstack/templates/x.yaml`), NOTES.txt included.
 
     `extra_templates` ({"name.yaml": source}) are added to a copy of the chart's templates/,
-    which lets a test call a named helper from _helpers.tpl directly.
+    which lets a test call a named helper from _helpers.tpl directly. `api_versions` are what
+    `helm template --api-versions` takes ("postgresql.cnpg.io/v1/Cluster": a CRD's kind is served).
 
     Raises:
         helm_python.HelmValuesError: the values break values.schema.json.
         helm_python.HelmRenderError: a template failed (`required`, `fail`, a bad call).
     """
     helm.validate_release_name(release)
+    values, api_versions = dict(values or {}), list(api_versions)
     if not extra_templates:
         with helm.Chart.load(chart_dir) as chart:
-            return chart.render(dict(values or {}), name=release, namespace=namespace)
+            return _render(chart, values, release, namespace, api_versions)
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / chart_dir.name
         shutil.copytree(chart_dir, copy)
         for name, source in extra_templates.items():
             (copy / "templates" / name).write_text(source)
         with helm.Chart.load(copy) as chart:
-            return chart.render(dict(values or {}), name=release, namespace=namespace)
+            return _render(chart, values, release, namespace, api_versions)
 
 
 def render_chart(
@@ -106,13 +130,19 @@ def render_chart(
     *,
     chart_dir: Path = CHART_DIR,
     extra_templates: Mapping[str, str] | None = None,
+    api_versions: Iterable[str] = (),
 ) -> list[dict[str, Any]]:
     """The Kubernetes objects the chart renders, as dicts, in template-path order.
 
     Empty documents (a template whose `if` is false) are dropped. Raises as `render_templates`.
     """
     rendered = render_templates(
-        values, release, namespace, chart_dir=chart_dir, extra_templates=extra_templates
+        values,
+        release,
+        namespace,
+        chart_dir=chart_dir,
+        extra_templates=extra_templates,
+        api_versions=api_versions,
     )
     manifests: list[dict[str, Any]] = []
     for path in sorted(rendered):

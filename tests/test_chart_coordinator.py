@@ -1,15 +1,19 @@
-"""charts/bcstack, coordinator component: the StatefulSet (a records volume per pod), its Services,
-the --config ConfigMap (endpoint registry, workers, settings) that must load into
-CoordinatorSettings, API keys by Secret reference only, HPA/PDB/ServiceMonitor and the scripted
-stand-in, checked offline (render, lint, Kubernetes schemas). Also docker/coordinator.Dockerfile."""
+"""charts/bcstack, coordinator component: the workload of each record store (records.backend sqlite:
+a StatefulSet of one pod with its records volume; postgres: a Deployment sharing one PostgreSQL
+database, external, CloudNativePG's or in-chart), its Services, the --config ConfigMap (endpoint
+registry, workers, settings) that must load into CoordinatorSettings, API keys and database
+credentials by Secret reference only, HPA/PDB/ServiceMonitor and the scripted stand-in, checked
+offline (render, lint, Kubernetes schemas). Also docker/coordinator.Dockerfile."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import helm_python as helm
 import pytest
@@ -26,7 +30,6 @@ from helm_harness import (
     lint_chart,
     mounted_volume,
     null_default_outcomes,
-    pod_spec,
     render_chart,
     render_notes,
     secret_key_refs,
@@ -51,11 +54,25 @@ COORDINATOR_SELECTOR = {
     "app.kubernetes.io/component": "coordinator",
 }
 WORKER = {"enabled": True, "settings": {"retrievalAddress": "retrieval.search.svc.cluster.local:50051"}}
+# What `helm template --api-versions` passes where CloudNativePG's operator is installed.
+CNPG_CRD = "postgresql.cnpg.io/v1/Cluster"
+# The in-chart PostgreSQL's objects, and the CloudNativePG Cluster, share this name.
+RECORDS_DB = "bc-bcstack-records-postgres"
+RECORDS_URL_SECRET = {"name": "bcstack-records", "key": "url"}
+EXTERNAL_URL = "postgresql://bcstack@db.example.com:5432/bcstack?sslmode=verify-full"
+PASSWORD_SECRET = {"name": "bcstack-records-password", "key": "password"}
+# The name a Deployment's pod gets, as its fieldRef metadata.name reads it.
+POD_NAME = f"{NAME}-5d8f7c9b4-x7k2p"
 
 
 def coordinator(**block: Any) -> dict[str, Any]:
     """Chart values with the coordinator enabled on its own (external workers) and `block` merged in."""
     return {"coordinator": {"enabled": True, "workers": ["worker.gpu.svc.cluster.local:50052"], **block}}
+
+
+def postgres(database: dict[str, Any], **block: Any) -> dict[str, Any]:
+    """`coordinator(...)` on records.backend postgres, with `database` as records.postgres."""
+    return coordinator(records={"backend": "postgres", "postgres": database}, **block)
 
 
 ENDPOINTS = [
@@ -101,18 +118,26 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                 "workerFullWaitSeconds": 120,
                 "probeOnStart": True,
                 "logLevel": "DEBUG",
+                "claimLeaseSeconds": 45,
             },
             "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
             "podDisruptionBudget": {"enabled": True},
             "extraEnv": {"HF_HUB_OFFLINE": "1"},
+            # Several pods: one record store they share, an external PostgreSQL.
+            "records": {"backend": "postgres", "postgres": {"urlSecret": RECORDS_URL_SECRET}},
         },
         "worker": WORKER,
         "adminToken": {"create": True, "value": ADMIN_TOKEN},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
     },
     "existing-claim": coordinator(records={"persistence": {"existingClaim": "coordinator-records"}}),
-    "no-persistence": coordinator(replicas=3, records={"persistence": {"enabled": False}}),
+    "no-persistence": coordinator(records={"persistence": {"enabled": False}}),
+    "postgres-url": postgres({"url": EXTERNAL_URL, "passwordSecret": PASSWORD_SECRET}, replicas=3),
+    "postgres-in-chart": postgres({"inChart": {"enabled": True}}),
 }
+# The Secrets each value set has the chart create: the admin token's, and the in-chart
+# PostgreSQL's generated password; never one for an endpoint key or an external database.
+CREATED_SECRETS = {"custom": ["bc-bcstack-admin-token"], "postgres-in-chart": [RECORDS_DB]}
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -134,12 +159,27 @@ def custom(rendered: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rendered["custom"]
 
 
+def backend(values: dict[str, Any]) -> str:
+    return values["coordinator"].get("records", {}).get("backend", "sqlite")
+
+
 def statefulset(manifests: list[dict[str, Any]]) -> dict[str, Any]:
     return find(manifests, "StatefulSet", NAME)
 
 
+def workload(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gateway's one workload: the StatefulSet (sqlite) or the Deployment (postgres)."""
+    (found,) = [
+        m
+        for m in manifests
+        if m["kind"] in {"StatefulSet", "Deployment"}
+        and m["metadata"]["labels"]["app.kubernetes.io/component"] == "coordinator"
+    ]
+    return found
+
+
 def pod(manifests: list[dict[str, Any]]) -> dict[str, Any]:
-    return pod_spec(manifests, NAME, kind="StatefulSet")
+    return workload(manifests)["spec"]["template"]["spec"]
 
 
 def gateway(manifests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -170,7 +210,13 @@ def load_in_pod(
     for name, value in find(manifests, "ConfigMap", common["configMapRef"]["name"])["data"].items():
         monkeypatch.setenv(name, value)
     for name, value in env_of(container).items():
-        monkeypatch.setenv(name, value if isinstance(value, str) else "from-a-secret")
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+        elif value == {"fieldRef": {"fieldPath": "metadata.name"}}:
+            monkeypatch.setenv(name, POD_NAME)
+        else:
+            assert set(value) == {"secretKeyRef"}, (name, value)
+            monkeypatch.setenv(name, "from-a-secret")
     config_path = flag(container["args"], "--config")
     mount, volume = mounted_volume(pod(manifests), container, str(Path(config_path).parent))
     assert volume["configMap"]["name"] == NAME and mount["readOnly"] is True
@@ -193,7 +239,8 @@ def test_value_set_renders_valid_objects_and_lints_clean(
         assert obj["metadata"]["namespace"] == "default", where
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "bcstack", where
     lint_chart(VALUE_SETS[name])
-    assert statefulset(manifests) and find(manifests, "Service", NAME)
+    kind = {"sqlite": "StatefulSet", "postgres": "Deployment"}[backend(VALUE_SETS[name])]
+    assert workload(manifests)["kind"] == kind and find(manifests, "Service", NAME)
 
 
 def test_coordinator_objects(defaults: list[dict[str, Any]], custom: list[dict[str, Any]]) -> None:
@@ -210,14 +257,14 @@ def test_coordinator_objects(defaults: list[dict[str, Any]], custom: list[dict[s
         ("Service", HEADLESS),
         ("StatefulSet", NAME),
     ]
+    # No headless Service for the Deployment: any of its pods answers for any record.
     assert own(custom) == [
         ("ConfigMap", NAME),
+        ("Deployment", NAME),
         ("HorizontalPodAutoscaler", NAME),
         ("PodDisruptionBudget", NAME),
         ("Service", NAME),
-        ("Service", HEADLESS),
         ("ServiceMonitor", NAME),
-        ("StatefulSet", NAME),
     ]
 
 
@@ -238,7 +285,11 @@ def test_config_loads_into_coordinator_settings(
     name: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = load_in_pod(rendered[name], tmp_path, monkeypatch)
-    assert settings.records_path == Path("/data/records/coordinator-records.sqlite")
+    if backend(VALUE_SETS[name]) == "sqlite":
+        assert settings.records_path == Path("/data/records/coordinator-records.sqlite")
+        assert settings.records_url is None
+    else:  # one database for every replica, each claiming episodes under its pod's name
+        assert settings.records_url is not None and settings.replica_name == POD_NAME
     assert settings.all_endpoints(), "the gateway refuses to start without an endpoint"
     assert settings.shutdown_grace_seconds == 890
 
@@ -264,6 +315,7 @@ def test_custom_endpoints_workers_and_settings_reach_the_gateway(
     assert settings.worker_timeout_seconds == 900.5
     assert settings.worker_full_wait_seconds == 120.0
     assert settings.probe_on_start is True and settings.log_level == "DEBUG"
+    assert settings.claim_lease_seconds == 45
     # Settings left null keep the gateway's own defaults.
     assert settings.max_branches == CoordinatorSettings.model_fields["max_branches"].default
     assert (settings.port, settings.grpc_port) == (8003, 50053)  # the chart passes its ports as flags
@@ -313,9 +365,10 @@ def test_each_api_key_env_comes_from_its_secret(custom: list[dict[str, Any]]) ->
     assert {e["api_key_env"] for e in config_of(custom)["endpoints"] if "api_key_env" in e} == set(
         API_KEY_REFS
     )
-    # Every Secret the pod reads: the endpoint keys and the admin token, nothing else.
+    # Every Secret the pod reads: the endpoint keys, the records URL and the admin token.
     assert secret_key_refs(custom) == {
         *((env_name, ref["name"], ref["key"]) for env_name, ref in API_KEY_REFS.items()),
+        ("BCSTACK_COORDINATOR_RECORDS_URL", RECORDS_URL_SECRET["name"], RECORDS_URL_SECRET["key"]),
         ("BCSTACK_ADMIN_TOKEN", "bc-bcstack-admin-token", "admin-token"),
     }
 
@@ -343,11 +396,8 @@ def test_no_secret_in_any_config_map(name: str, rendered: dict[str, list[dict[st
                 assert "value" not in entry, (c["name"], entry["name"])
                 assert set(entry["valueFrom"]) == {"secretKeyRef"}, (c["name"], entry["name"])
         assert not [e for e in c.get("envFrom", []) if "secretRef" in e], c["name"]
-    # The chart creates only the admin token Secret, never one for an endpoint key.
     secrets = [m for m in rendered[name] if m["kind"] == "Secret"]
-    assert [s["metadata"]["name"] for s in secrets] == (
-        ["bc-bcstack-admin-token"] if name == "custom" else []
-    )
+    assert [s["metadata"]["name"] for s in secrets] == CREATED_SECRETS.get(name, [])
 
 
 # --- the pod: non-root, probes, ports -----------------------------------------------------------
@@ -385,30 +435,33 @@ def test_probes_and_ports(name: str, rendered: dict[str, list[dict[str, Any]]]) 
     for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
     assert container["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "http"}
-    for service_name in (NAME, HEADLESS):
+    # The StatefulSet's governing headless Service (per-pod DNS names); a Deployment has none.
+    headless = [HEADLESS] if workload(manifests)["kind"] == "StatefulSet" else []
+    assert workload(manifests)["spec"].get("serviceName") == (headless or [None])[0]
+    services = [NAME, *headless]
+    for service_name in services:
         service = find(manifests, "Service", service_name)
         by_name = {p["name"]: p for p in service["spec"]["ports"]}
         assert (by_name["http"]["port"], by_name["http"]["targetPort"]) == (http, "http")
         assert (by_name["grpc"]["port"], by_name["grpc"]["targetPort"]) == (grpc, "grpc")
         assert by_name["grpc"]["appProtocol"] == "grpc"
-        pod_labels = statefulset(manifests)["spec"]["template"]["metadata"]["labels"]
+        pod_labels = workload(manifests)["spec"]["template"]["metadata"]["labels"]
         assert selects(service["spec"]["selector"], pod_labels)
-    assert statefulset(manifests)["spec"]["serviceName"] == HEADLESS
 
 
 def test_image_and_config_checksum(defaults: list[dict[str, Any]], custom: list[dict[str, Any]]) -> None:
     assert gateway(defaults)["image"] == "ghcr.io/browsecomp-stack/bcstack:0.1.0"
     assert gateway(custom)["image"] == "ghcr.io/browsecomp-stack/bcstack-coordinator:0.1.0"
     # A change to the endpoints rolls the pods (--config is read only at start).
-    annotations = [statefulset(m)["spec"]["template"]["metadata"]["annotations"] for m in (defaults, custom)]
+    annotations = [workload(m)["spec"]["template"]["metadata"]["annotations"] for m in (defaults, custom)]
     assert annotations[0]["checksum/config"] != annotations[1]["checksum/config"]
     assert env_of(gateway(custom))["HF_HUB_OFFLINE"] == "1"
 
 
-# --- records: a volume per pod ------------------------------------------------------------------
+# --- records: sqlite, a volume for the one pod ------------------------------------------------
 
 
-def test_records_claim_per_pod(defaults: list[dict[str, Any]]) -> None:
+def test_sqlite_records_claim(defaults: list[dict[str, Any]]) -> None:
     spec = statefulset(defaults)["spec"]
     (template,) = spec["volumeClaimTemplates"]
     assert template["metadata"]["name"] == "records"
@@ -434,57 +487,258 @@ def test_existing_claim_or_no_persistence(rendered: dict[str, list[dict[str, Any
     assert "volumeClaimTemplates" not in statefulset(ephemeral)["spec"]
     _, volume = mounted_volume(pod(ephemeral), gateway(ephemeral), "/data/records")
     assert volume == {"name": "records", "emptyDir": {}}
-    assert statefulset(ephemeral)["spec"]["replicas"] == 3
 
 
-@pytest.mark.parametrize("block", [{"replicas": 2}, {"autoscaling": {"enabled": True}}])
-def test_existing_claim_is_for_one_pod_only(block: dict[str, Any]) -> None:
-    values = coordinator(records={"persistence": {"existingClaim": "coordinator-records"}}, **block)
-    with pytest.raises(helm.HelmRenderError, match="existingClaim holds one SQLite file for one pod"):
-        render_chart(values)
+SQLITE_ONE_POD = "each pod keeps its own SQLite file, so a second replica cannot see the first one's records"
+SQLITE_NO_AUTOSCALER = (
+    "needs coordinator.records.backend postgres: with sqlite each pod keeps its own SQLite file"
+)
+
+
+@pytest.mark.parametrize(
+    ("block", "reason"),
+    [
+        (
+            {"replicas": 2},
+            f"coordinator.replicas is 2, but with coordinator.records.backend sqlite {SQLITE_ONE_POD}",
+        ),
+        ({"autoscaling": {"enabled": True}}, f"coordinator.autoscaling.enabled {SQLITE_NO_AUTOSCALER}"),
+        (
+            {"replicas": 3, "records": {"persistence": {"existingClaim": "coordinator-records"}}},
+            SQLITE_ONE_POD,
+        ),
+        (
+            {"autoscaling": {"enabled": True}, "records": {"persistence": {"enabled": False}}},
+            SQLITE_NO_AUTOSCALER,
+        ),
+    ],
+)
+def test_sqlite_refuses_a_second_pod_saying_why(block: dict[str, Any], reason: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(reason)) as err:
+        render_chart(coordinator(**block))
+    assert "\n" not in str(err.value)  # one line
+
+
+# --- records: postgres, a Deployment sharing one database -----------------------------------------
+
+
+def test_postgres_backend_runs_a_deployment_without_a_volume(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifests = rendered["postgres-url"]
+    deployment = find(manifests, "Deployment", NAME)
+    assert deployment["spec"]["replicas"] == 3
+    assert not [m for m in manifests if m["kind"] in {"StatefulSet", "PersistentVolumeClaim"}]
+    assert "volumeClaimTemplates" not in deployment["spec"]
+    assert not [v for v in pod(manifests)["volumes"] if v["name"] == "records"]
+    assert not [m for m in gateway(manifests)["volumeMounts"] if m["name"] == "records"]
+    # A rollout starts a new pod before an old one stops draining its episodes.
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    env = env_of(gateway(manifests))
+    assert "BCSTACK_COORDINATOR_RECORDS_PATH" not in env
+    assert env["BCSTACK_COORDINATOR_RECORDS_URL"] == EXTERNAL_URL
+    assert env["PGPASSWORD"] == {"secretKeyRef": PASSWORD_SECRET}  # libpq's password variable
+    assert env["BCSTACK_COORDINATOR_REPLICA_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    settings = load_in_pod(manifests, tmp_path, monkeypatch)
+    assert settings.records_url.get_secret_value() == EXTERNAL_URL
+    assert settings.replica_name == POD_NAME
+
+
+def test_the_url_secret_holds_the_whole_url(custom: list[dict[str, Any]]) -> None:
+    env = env_of(gateway(custom))
+    assert env["BCSTACK_COORDINATOR_RECORDS_URL"] == {"secretKeyRef": RECORDS_URL_SECRET}
+    assert "PGPASSWORD" not in env
+
+
+# The env vars that say where the records live, by backend.
+RECORDS_ENV = {
+    "sqlite": {"BCSTACK_COORDINATOR_RECORDS_PATH"},
+    "postgres": {"BCSTACK_COORDINATOR_RECORDS_URL", "PGPASSWORD", "BCSTACK_COORDINATOR_REPLICA_NAME"},
+}
+
+
+def test_both_workloads_run_the_same_pod_but_for_the_records() -> None:
+    """The backend changes where records go, and nothing else about the gateway's pod."""
+    block = {"endpoints": ENDPOINTS, "viewerTokenSecret": {"name": "viewer", "key": "token"}}
+    sqlite = render_chart(coordinator(**block))
+    shared = render_chart(postgres({"url": EXTERNAL_URL, "passwordSecret": PASSWORD_SECRET}, **block))
+
+    def without_records(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+        spec = json.loads(json.dumps(pod(manifests)))
+        spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "records"]
+        for container in spec["containers"]:
+            container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "records"]
+            container["env"] = [
+                e for e in container["env"] if e["name"] not in set().union(*RECORDS_ENV.values())
+            ]
+        return spec
+
+    assert without_records(sqlite) == without_records(shared)
+    for backend_name, manifests in (("sqlite", sqlite), ("postgres", shared)):
+        assert RECORDS_ENV[backend_name] <= set(env_of(gateway(manifests))), backend_name
+    # The Services, the PDB and the NetworkPolicies select either workload's pods alike.
+    labels = [workload(m)["spec"]["template"]["metadata"]["labels"] for m in (sqlite, shared)]
+    assert labels[0] == labels[1]
+
+
+# --- records: the in-chart PostgreSQL (development) -----------------------------------------------
+
+
+def test_in_chart_postgres_serves_the_gateway(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    manifests = rendered["postgres-in-chart"]
+    server = find(manifests, "StatefulSet", RECORDS_DB)
+    assert server["spec"]["replicas"] == 1
+    (container,) = server["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith("postgres:")
+    server_env = env_of(container)
+    # The gateway's URL names the Service's host and port, the user and the database the image
+    # creates on its first start, and no password: that comes from the same Secret as the server's.
+    url = urlsplit(env_of(gateway(manifests))["BCSTACK_COORDINATOR_RECORDS_URL"])
+    assert (url.scheme, url.password) == ("postgresql", None)
+    service = find(manifests, "Service", url.hostname)
+    assert selects(service["spec"]["selector"], server["spec"]["template"]["metadata"]["labels"])
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == url.port and port["targetPort"] == container["ports"][0]["name"]
+    assert url.username == server_env["POSTGRES_USER"] and url.path == "/" + server_env["POSTGRES_DB"]
+    password = server_env["POSTGRES_PASSWORD"]
+    assert env_of(gateway(manifests))["PGPASSWORD"] == password
+    secret = find(manifests, "Secret", password["secretKeyRef"]["name"])
+    assert len(base64.b64decode(secret["data"][password["secretKeyRef"]["key"]])) == 32
+    # Kept on uninstall: PostgreSQL keeps the password in its volume from the first start.
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    # The data lives in a claim, PGDATA a folder inside its mount (a volume's lost+found).
+    (claim,) = server["spec"]["volumeClaimTemplates"]
+    data = next(m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+    assert server_env["PGDATA"].startswith(data["mountPath"] + "/")
+
+
+def test_in_chart_postgres_runs_as_the_images_postgres_user(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    spec = find(rendered["postgres-in-chart"], "StatefulSet", RECORDS_DB)["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] == spec["securityContext"]["fsGroup"] == 999
+    assert spec["automountServiceAccountToken"] is False
+    (container,) = spec["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # What a read-only root leaves it to write: its socket folder and /tmp, besides the data.
+    writable = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/var/run/postgresql", "/tmp"} <= writable
+
+
+def test_in_chart_postgres_with_an_existing_secret() -> None:
+    manifests = render_chart(
+        postgres({"inChart": {"enabled": True, "existingSecret": "my-pg", "passwordKey": "pw"}})
+    )
+    validate_manifests(manifests)
+    assert not [m for m in manifests if m["kind"] == "Secret"]
+    server = find(manifests, "StatefulSet", RECORDS_DB)["spec"]["template"]["spec"]["containers"][0]
+    ref = {"secretKeyRef": {"name": "my-pg", "key": "pw"}}
+    assert env_of(server)["POSTGRES_PASSWORD"] == env_of(gateway(manifests))["PGPASSWORD"] == ref
+
+
+# --- records: CloudNativePG (recommended where its operator runs) ----------------------------------
+
+CNPG = {"cnpg": {"enabled": True, "instances": 3, "storage": {"size": "50Gi", "storageClass": "fast"}}}
+
+
+def test_cnpg_cluster_and_the_gateway_reads_its_app_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifests = render_chart(postgres(CNPG, replicas=2), api_versions=[CNPG_CRD])
+    validate_manifests(manifests)  # the Cluster (a CRD's kind) gets the structural check
+    cluster = find(manifests, "Cluster", RECORDS_DB)
+    assert cluster["apiVersion"] == "postgresql.cnpg.io/v1"
+    assert cluster["spec"]["instances"] == 3
+    assert cluster["spec"]["bootstrap"] == {"initdb": {"database": "bcstack", "owner": "bcstack"}}
+    assert cluster["spec"]["storage"] == {"size": "50Gi", "storageClass": "fast"}
+    # CloudNativePG writes the owner's connection to <cluster>-app; `uri` is the whole URL.
+    env = env_of(gateway(manifests))
+    assert env["BCSTACK_COORDINATOR_RECORDS_URL"] == {
+        "secretKeyRef": {"name": f"{RECORDS_DB}-app", "key": "uri"}
+    }
+    assert "PGPASSWORD" not in env
+    assert not [m for m in manifests if m["kind"] in {"StatefulSet", "Secret"}]
+    assert find(manifests, "Deployment", NAME)["spec"]["replicas"] == 2
+    assert load_in_pod(manifests, tmp_path, monkeypatch).replica_name == POD_NAME
+
+
+def test_cnpg_cluster_name_fits_the_operators_limit() -> None:
+    manifests = render_chart(postgres(CNPG), release="r" * 53, api_versions=[CNPG_CRD])
+    (cluster,) = [m for m in manifests if m["kind"] == "Cluster"]
+    name = cluster["metadata"]["name"]
+    assert len(name) <= 50 and re.match("^[a-z][-a-z0-9]*[a-z0-9]$", name), name  # a DNS-1035 label
+    assert (
+        env_of(gateway(manifests))["BCSTACK_COORDINATOR_RECORDS_URL"]["secretKeyRef"]["name"] == f"{name}-app"
+    )
+
+
+def test_cnpg_without_its_crd_fails_in_one_line() -> None:
+    with pytest.raises(helm.HelmRenderError) as err:
+        render_chart(postgres(CNPG))
+    message = str(err.value)
+    assert "cnpg.enabled needs the CloudNativePG operator" in message and "\n" not in message
+    assert f"--api-versions {CNPG_CRD}" in message
 
 
 # --- HPA, PDB, ServiceMonitor -------------------------------------------------------------------
 
 
-def test_hpa_scales_the_statefulset(defaults: list[dict[str, Any]], custom: list[dict[str, Any]]) -> None:
+def test_hpa_scales_the_deployment(defaults: list[dict[str, Any]], custom: list[dict[str, Any]]) -> None:
     assert not [m for m in defaults if m["kind"] == "HorizontalPodAutoscaler"]
     hpa = find(custom, "HorizontalPodAutoscaler", NAME)
     assert hpa["apiVersion"] == "autoscaling/v2"
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": NAME}
+    target = hpa["spec"]["scaleTargetRef"]
+    assert target == {"apiVersion": "apps/v1", "kind": "Deployment", "name": NAME}
+    assert find(custom, target["kind"], target["name"])
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
     (metric,) = hpa["spec"]["metrics"]
     assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["averageUtilization"] == 70
-    assert "replicas" not in statefulset(custom)["spec"]  # the HPA owns it
-    assert "volumeClaimTemplates" in statefulset(custom)["spec"]  # each new pod gets its own records
+    assert "replicas" not in workload(custom)["spec"]  # the HPA owns it
 
 
 def test_hpa_needs_a_cpu_request_and_a_sane_range() -> None:
+    database = {"urlSecret": RECORDS_URL_SECRET}
     with pytest.raises(helm.HelmRenderError, match="needs coordinator.resources.requests.cpu"):
-        render_chart(coordinator(autoscaling={"enabled": True}, resources={"requests": {"cpu": None}}))
+        render_chart(postgres(database, autoscaling={"enabled": True}, resources={"requests": {"cpu": None}}))
     with pytest.raises(helm.HelmRenderError, match="minReplicas is greater than maxReplicas"):
-        render_chart(coordinator(autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2}))
+        render_chart(postgres(database, autoscaling={"enabled": True, "minReplicas": 5, "maxReplicas": 2}))
 
 
 def test_pod_disruption_budget(custom: list[dict[str, Any]]) -> None:
     pdb = find(custom, "PodDisruptionBudget", NAME)
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": COORDINATOR_SELECTOR}}
-    assert selects(COORDINATOR_SELECTOR, statefulset(custom)["spec"]["template"]["metadata"]["labels"])
+    assert selects(COORDINATOR_SELECTOR, workload(custom)["spec"]["template"]["metadata"]["labels"])
     with pytest.raises(helm.HelmRenderError, match="not both"):
         render_chart(coordinator(podDisruptionBudget={"enabled": True, "minAvailable": 1}))
 
 
-def test_service_monitor_scrapes_each_pod_once(custom: list[dict[str, Any]]) -> None:
-    monitor = find(custom, "ServiceMonitor", NAME)
+@pytest.mark.parametrize("name", ["defaults", "custom"])
+def test_service_monitor_scrapes_each_pod_once(name: str) -> None:
+    values = {
+        **VALUE_SETS[name],
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    }
+    manifests = render_chart(values)
+    monitor = find(manifests, "ServiceMonitor", NAME)
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
     selector = monitor["spec"]["selector"]
     (expression,) = selector["matchExpressions"]
     assert expression["operator"] == "DoesNotExist"
-    for service_name, scraped in ((NAME, True), (HEADLESS, False)):
-        labels = find(custom, "Service", service_name)["metadata"]["labels"]
-        assert (selects(selector["matchLabels"], labels) and expression["key"] not in labels) is scraped
-    worker_labels = find(custom, "Service", WORKER_SERVICE)["metadata"]["labels"]
+    # Of the Services that select the gateway's pods (the StatefulSet's headless one among them),
+    # the monitor scrapes exactly one.
+    pod_labels = workload(manifests)["spec"]["template"]["metadata"]["labels"]
+    services = [m for m in manifests if m["kind"] == "Service" and selects(m["spec"]["selector"], pod_labels)]
+    scraped = [
+        s["metadata"]["name"]
+        for s in services
+        if selects(selector["matchLabels"], s["metadata"]["labels"])
+        and expression["key"] not in s["metadata"]["labels"]
+    ]
+    assert scraped == [NAME], [s["metadata"]["name"] for s in services]
+    worker_labels = find(manifests, "Service", WORKER_SERVICE)["metadata"]["labels"]
     assert not selects(selector["matchLabels"], worker_labels)
 
 
@@ -537,6 +791,34 @@ def with_endpoint(**endpoint: Any) -> dict[str, Any]:
             coordinator(viewerTokenSecret={"name": "v", "key": "k", "value": "t"}),
             "additional properties 'value'",
         ),
+        (coordinator(records={"backend": "mysql"}), "/coordinator/records/backend"),
+        # A password never goes into the plain URL: into urlSecret, or passwordSecret.
+        (postgres({"url": "postgresql://bcstack:pw@db:5432/bcstack"}), "/coordinator/records/postgres/url"),
+        (
+            postgres({"url": "postgresql://bcstack@db/bcstack?password=pw"}),
+            "/coordinator/records/postgres/url",
+        ),
+        (postgres({"url": "mysql://bcstack@db/bcstack"}), "/coordinator/records/postgres/url"),
+        (postgres({"urlSecret": {"name": "db"}}), "/coordinator/records/postgres/urlSecret"),
+        (postgres({"passwordSecret": {"key": "pw"}}), "/coordinator/records/postgres/passwordSecret"),
+        (
+            postgres({"inChart": {"enabled": True, "user": "Bc-Stack"}}),
+            "/coordinator/records/postgres/inChart/user",
+        ),
+        (
+            postgres({"inChart": {"enabled": True, "podSecurityContext": {"runAsUser": 0}}}),
+            "/coordinator/records/postgres/inChart/podSecurityContext/runAsUser",
+        ),
+        (
+            postgres({"inChart": {"enabled": True, "image": {"tag": "latest"}}}),
+            "/coordinator/records/postgres/inChart/image/tag",
+        ),
+        (
+            postgres({"cnpg": {"enabled": True, "instances": 0}}),
+            "/coordinator/records/postgres/cnpg/instances",
+        ),
+        (postgres({"cnpg": {"enabled": True, "owner": "1st"}}), "/coordinator/records/postgres/cnpg/owner"),
+        (coordinator(settings={"claimLeaseSeconds": 0}), "/coordinator/settings/claimLeaseSeconds"),
     ],
 )
 def test_schema_rejects_bad_coordinator_values(values: dict[str, Any], message: str) -> None:
@@ -567,6 +849,32 @@ def test_schema_rejects_bad_coordinator_values(values: dict[str, Any], message: 
             "BCSTACK_ENDPOINT_M_1_API_KEY would take its value from two Secrets",
         ),
         (coordinator(workers=["w:50052", "w:50052"]), "w:50052 is listed twice"),
+        # records.postgres: exactly one database, and only with backend postgres.
+        (
+            postgres({"urlSecret": RECORDS_URL_SECRET, "cnpg": {"enabled": True}}),
+            "coordinator.records.postgres: choose one database, not urlSecret and cnpg.enabled",
+        ),
+        (
+            postgres({"url": EXTERNAL_URL, "inChart": {"enabled": True}}),
+            "choose one database, not url and inChart.enabled",
+        ),
+        (
+            postgres({"urlSecret": RECORDS_URL_SECRET, "url": EXTERNAL_URL}),
+            "choose one database, not urlSecret and url",
+        ),
+        (postgres({}), "coordinator.records.backend postgres needs a database: set one of"),
+        (
+            postgres({"inChart": {"enabled": True}, "passwordSecret": PASSWORD_SECRET}),
+            "passwordSecret goes with url or urlSecret; inChart.enabled brings its own password",
+        ),
+        (
+            coordinator(records={"postgres": {"inChart": {"enabled": True}}}),
+            "coordinator.records.postgres.inChart.enabled is set, but coordinator.records.backend is sqlite",
+        ),
+        (
+            coordinator(records={"postgres": {"passwordSecret": PASSWORD_SECRET}}),
+            "coordinator.records.postgres.passwordSecret is set, but coordinator.records.backend is sqlite",
+        ),
     ],
 )
 def test_cross_key_checks_fail_the_render(values: dict[str, Any], message: str) -> None:
@@ -585,6 +893,9 @@ NULLABLE_COORDINATOR_KEYS = {
     "standIn.resources.requests.cpu",
     "standIn.resources.requests.memory",
     "standIn.resources.limits.memory",
+    "records.postgres.inChart.resources.requests.cpu",
+    "records.postgres.inChart.resources.requests.memory",
+    "records.postgres.inChart.resources.limits.memory",
 }
 
 
@@ -603,6 +914,7 @@ def test_values_yaml_documents_the_statefulset_choice() -> None:
     defaults = chart_defaults("coordinator")
     assert defaults["enabled"] is False and defaults["replicas"] == 1
     assert defaults["autoscaling"]["enabled"] is False
+    assert defaults["records"]["backend"] == "sqlite"
     assert defaults["endpoints"] == [] and defaults["workers"] == []
     assert defaults["records"]["persistence"]["accessModes"] == ["ReadWriteOnce"]
     source = (CHART_DIR / "values.yaml").read_text()
@@ -614,21 +926,27 @@ def test_values_yaml_documents_the_statefulset_choice() -> None:
 
 
 def test_long_release_names_stay_within_kubernetes_limits() -> None:
-    manifests = render_chart(VALUE_SETS["custom"], release="r" * 53)
-    validate_manifests(manifests)
-    for obj in manifests:
-        assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]
-    (sts,) = [m for m in manifests if m["kind"] == "StatefulSet"]
-    assert len(sts["metadata"]["name"]) <= 52 and sts["metadata"]["name"].endswith("-coordinator")
+    for values in (VALUE_SETS["defaults"], VALUE_SETS["custom"], VALUE_SETS["postgres-in-chart"]):
+        manifests = render_chart(values, release="r" * 53)
+        validate_manifests(manifests)
+        for obj in manifests:
+            assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]
+        # A StatefulSet's pods get an 11-character longer controller-revision-hash label.
+        for sts in [m for m in manifests if m["kind"] == "StatefulSet"]:
+            assert len(sts["metadata"]["name"]) <= 52, sts["metadata"]["name"]
+        assert workload(manifests)["metadata"]["name"].endswith("-coordinator")
 
 
 def test_notes_describe_the_gateway() -> None:
     notes = render_notes(VALUE_SETS["custom"])
-    assert "Coordinator gateway: StatefulSet bc-bcstack-coordinator, 2-6 pods" in notes
+    assert "Coordinator gateway: Deployment bc-bcstack-coordinator, 2-6 pods" in notes
     assert "minimax-m2.7 (MiniMaxAI/MiniMax-M2.7)" in notes and "active: backup" in notes
-    assert f"{NAME}-<n>.{HEADLESS}.default.svc:9003" in notes
+    assert "Records: PostgreSQL, shared by every pod: URL from Secret bcstack-records (key url)" in notes
     assert "PUT localhost:9003/admin/coordinator" in notes
-    assert "scripted stand-in" in render_notes(VALUE_SETS["defaults"])
+    defaults = render_notes(VALUE_SETS["defaults"])
+    assert "Coordinator gateway: StatefulSet bc-bcstack-coordinator, 1 pod(s)" in defaults
+    assert f"PersistentVolumeClaim records-{NAME}-0" in defaults and "scripted stand-in" in defaults
+    assert f"the in-chart StatefulSet {RECORDS_DB}" in render_notes(VALUE_SETS["postgres-in-chart"])
     assert "Coordinator gateway" not in render_notes()
 
 

@@ -186,6 +186,30 @@ def test_a_restricted_gateway_still_lets_the_charts_own_callers_in():
     assert not can(pods["worker"][0], ns)
 
 
+def test_the_in_chart_postgres_takes_only_the_gateway_and_runs_restricted():
+    """coordinator.records.postgres.inChart: the gateways' one database, closed to everyone else."""
+    coordinator = {
+        "enabled": True,
+        "records": {"backend": "postgres", "postgres": {"inChart": {"enabled": True}}},
+    }
+    rendered = render_chart({**EVERYTHING, "coordinator": coordinator})
+    validate_manifests(rendered)
+    policies = [m for m in rendered if m["kind"] == "NetworkPolicy"]
+    pods = workloads(rendered)
+    database = pods["records-postgres"]
+    port = container_port(database[1], "postgres")
+    ns = {"kubernetes.io/metadata.name": RELEASE_NS}
+
+    def can(src_labels: dict, src_ns: dict = ns) -> bool:
+        return allowed(policies, database, port, src_labels, src_ns, src_ns == ns)
+
+    assert can(pods["coordinator"][0])
+    for other in ("worker", "retrieval", "judge", "trainer", "smoke-test"):
+        assert not can(pods[other][0]), other
+    assert not can({"app": "x"}, {"kubernetes.io/metadata.name": "monitoring"})
+    assert restricted_violations(database[1]) == []
+
+
 LONG_RELEASE = "a-very-long-release-name-for-prod-cluster-x"
 
 

@@ -15,6 +15,14 @@ label of its pods appends 11 more to a 63-character limit. Every coordinator obj
 {{- printf "%s-headless" (include "bcstack.coordinator.name" .) }}
 {{- end }}
 
+{{/* The records database of records.backend postgres: the in-chart PostgreSQL's StatefulSet,
+Service and generated Secret, or the CloudNativePG Cluster (whose operator names its Services
+<name>-rw/-ro/-r and its app Secret <name>-app). At most 50 characters: CloudNativePG's limit on a
+Cluster name, which also leaves a StatefulSet room for its pods' revision-hash label. */}}
+{{- define "bcstack.coordinator.postgresName" -}}
+{{- include "bcstack.componentName" (dict "context" . "suffix" "records-postgres" "max" 50) }}
+{{- end }}
+
 {{/* Where the --config file (the ConfigMap's config.yaml) is mounted. */}}
 {{- define "bcstack.coordinator.configDir" -}}
 /etc/bcstack/coordinator
@@ -91,16 +99,68 @@ the keys. Takes $c.
 {{- end }}
 {{- $seen = append $seen . }}
 {{- end }}
-{{- $p := .records.persistence }}
-{{- if and $p.enabled $p.existingClaim (or .autoscaling.enabled (gt (int .replicas) 1)) }}
-{{- fail "coordinator.records.persistence.existingClaim holds one SQLite file for one pod: it needs replicas 1 and autoscaling off (leave existingClaim empty for a volume per pod)" }}
+{{- end }}
+
+{{/* The databases chosen in records.postgres, comma-separated, in the order the values list them.
+Takes $c. */}}
+{{- define "bcstack.coordinator.postgresSources" -}}
+{{- $pg := .records.postgres }}
+{{- $chosen := list }}
+{{- if $pg.urlSecret }}{{ $chosen = append $chosen "urlSecret" }}{{ end }}
+{{- if $pg.url }}{{ $chosen = append $chosen "url" }}{{ end }}
+{{- if $pg.inChart.enabled }}{{ $chosen = append $chosen "inChart.enabled" }}{{ end }}
+{{- if $pg.cnpg.enabled }}{{ $chosen = append $chosen "cnpg.enabled" }}{{ end }}
+{{- join "," $chosen }}
+{{- end }}
+
+{{/*
+The record store's checks, each failing the render with one line: with sqlite, one pod and no
+autoscaler (values.schema.json could refuse them too, but Helm prints only the keyword that
+failed, never why); with postgres, exactly one database, and CloudNativePG's CRD where its Cluster
+is chosen. Takes (dict "context" $ "c" $c).
+*/}}
+{{- define "bcstack.coordinator.validateRecords" -}}
+{{- $c := .c }}
+{{- $pg := $c.records.postgres }}
+{{- $sources := include "bcstack.coordinator.postgresSources" $c | splitList "," | compact }}
+{{- if eq $c.records.backend "sqlite" }}
+{{- if gt (int $c.replicas) 1 }}
+{{- fail (printf "coordinator.replicas is %d, but with coordinator.records.backend sqlite each pod keeps its own SQLite file, so a second replica cannot see the first one's records: keep replicas 1, or set coordinator.records.backend=postgres (one database shared by every replica)" (int $c.replicas)) }}
+{{- end }}
+{{- if $c.autoscaling.enabled }}
+{{- fail "coordinator.autoscaling.enabled needs coordinator.records.backend postgres: with sqlite each pod keeps its own SQLite file, so a pod the autoscaler adds cannot see the other pods' records" }}
+{{- end }}
+{{- $stray := $sources }}
+{{- if $pg.passwordSecret }}{{ $stray = append $stray "passwordSecret" }}{{ end }}
+{{- with $stray }}
+{{- fail (printf "coordinator.records.postgres.%s is set, but coordinator.records.backend is sqlite: set coordinator.records.backend=postgres to use it" (first .)) }}
+{{- end }}
+{{- else }}
+{{- if not $sources }}
+{{- fail "coordinator.records.backend postgres needs a database: set one of coordinator.records.postgres.urlSecret (an external PostgreSQL), url, cnpg.enabled (CloudNativePG) or inChart.enabled (development only)" }}
+{{- end }}
+{{- if gt (len $sources) 1 }}
+{{- fail (printf "coordinator.records.postgres: choose one database, not %s" (join " and " $sources)) }}
+{{- end }}
+{{- if and $pg.passwordSecret (or $pg.inChart.enabled $pg.cnpg.enabled) }}
+{{- fail (printf "coordinator.records.postgres.passwordSecret goes with url or urlSecret; %s brings its own password" (first $sources)) }}
+{{- end }}
+{{- if $pg.cnpg.enabled }}
+{{- if not (.context.Capabilities.APIVersions.Has "postgresql.cnpg.io/v1/Cluster") }}
+{{- fail "coordinator.records.postgres.cnpg.enabled needs the CloudNativePG operator, and this cluster has no postgresql.cnpg.io/v1 Cluster CRD: install the operator (cloudnative-pg.io) or choose another database (helm template: pass --api-versions postgresql.cnpg.io/v1/Cluster)" }}
+{{- end }}
+{{- $cluster := include "bcstack.coordinator.postgresName" .context }}
+{{- if not (regexMatch "^[a-z]" $cluster) }}
+{{- fail (printf "coordinator.records.postgres.cnpg: the Cluster name %s must start with a letter (CloudNativePG's rule): set fullnameOverride" $cluster) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
 {{/*
 The gateway's --config file (config.yaml of the ConfigMap): the endpoint registry, the workers and
 the episode-loop settings, as CoordinatorSettings reads them (env vars win over it: the chart sets
-only what comes from Kubernetes there: records path, drain time, log level, secrets). Endpoints are copied from the values
+only what comes from Kubernetes there: records path or URL, drain time, log level, secrets). Endpoints are copied from the values
 as they are, minus apiKeySecret: an endpoint's key never appears here, only the name of the env var
 (api_key_env) the pod gets it in from its Secret. Settings left null keep the gateway's defaults.
 Takes (dict "context" $ "c" $c).
@@ -130,7 +190,7 @@ Takes (dict "context" $ "c" $c).
 {{- $_ := set $config $setting ($value | int64) }}
 {{- end }}
 {{- end }}
-{{- range $key, $setting := dict "wallTimeSeconds" "wall_time_seconds" "workerTimeoutSeconds" "worker_timeout_seconds" "workerFullWaitSeconds" "worker_full_wait_seconds" "breakerResetSeconds" "breaker_reset_seconds" }}
+{{- range $key, $setting := dict "wallTimeSeconds" "wall_time_seconds" "workerTimeoutSeconds" "worker_timeout_seconds" "workerFullWaitSeconds" "worker_full_wait_seconds" "breakerResetSeconds" "breaker_reset_seconds" "claimLeaseSeconds" "claim_lease_seconds" }}
 {{- $value := index $s $key }}
 {{- if not (kindIs "invalid" $value) }}
 {{- $_ := set $config $setting ($value | float64) }}
@@ -141,14 +201,63 @@ Takes (dict "context" $ "c" $c).
 {{- end }}
 
 {{/*
+Where the gateway's records live, as `env:` entries. sqlite: the file in the pod's volume.
+postgres: the URL (from its Secret, or a plain value that holds no password), the password for
+libpq (PGPASSWORD) where it is not in the URL, and the pod's name for its episode claims. Takes
+(dict "context" $ "c" $c).
+*/}}
+{{- define "bcstack.coordinator.recordsEnv" -}}
+{{- $c := .c }}
+{{- $pg := $c.records.postgres }}
+{{- if eq $c.records.backend "postgres" }}
+{{- $db := include "bcstack.coordinator.postgresName" .context }}
+- name: BCSTACK_COORDINATOR_RECORDS_URL
+{{- if $pg.urlSecret }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $pg.urlSecret.name }}
+      key: {{ $pg.urlSecret.key }}
+{{- else if $pg.cnpg.enabled }}
+  {{- /* The operator's Secret for the database owner: its `uri` holds the password and the
+  Cluster's read-write Service, postgresql://OWNER:PASSWORD@<name>-rw.<namespace>:5432/DATABASE. */}}
+  valueFrom:
+    secretKeyRef:
+      name: {{ printf "%s-app" $db }}
+      key: uri
+{{- else if $pg.inChart.enabled }}
+  value: {{ printf "postgresql://%s@%s:5432/%s" $pg.inChart.user $db $pg.inChart.database | quote }}
+{{- else }}
+  value: {{ $pg.url | quote }}
+{{- end }}
+{{- $password := $pg.passwordSecret }}
+{{- if $pg.inChart.enabled }}
+{{- $password = dict "name" ($pg.inChart.existingSecret | default $db) "key" $pg.inChart.passwordKey }}
+{{- end }}
+{{- with $password }}
+- name: PGPASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .name }}
+      key: {{ .key }}
+{{- end }}
+- name: BCSTACK_COORDINATOR_REPLICA_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{- else }}
+- name: BCSTACK_COORDINATOR_RECORDS_PATH
+  value: {{ include "bcstack.coordinator.recordsPath" $c | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
 The gateway container's `env:` entries: where its records live, how long it drains on SIGTERM,
 each endpoint's API key and the admin token, which only ever come from their Secrets by
 secretKeyRef. Takes (dict "context" $ "c" $c).
 */}}
 {{- define "bcstack.coordinator.env" -}}
 {{- $c := .c -}}
-- name: BCSTACK_COORDINATOR_RECORDS_PATH
-  value: {{ include "bcstack.coordinator.recordsPath" $c | quote }}
+{{- include "bcstack.coordinator.recordsEnv" . | trim }}
 {{- /* Running episodes get the pod's grace period after SIGTERM, less 10 s for the process (and
 the stand-in after it) to exit; the gateway's own default is 10 s, far too short for an episode. */}}
 - name: BCSTACK_COORDINATOR_SHUTDOWN_GRACE_SECONDS
@@ -185,6 +294,202 @@ the file, but not over the gateway's own BCSTACK_COORDINATOR_LOG_LEVEL. */}}
       key: {{ .key }}
 {{- end }}
 {{- include "bcstack.adminTokenEnv" .context }}
+{{- end }}
+
+{{/*
+The gateway's pod template (`template:` of its StatefulSet or Deployment): the gateway container,
+the scripted stand-in as a native sidecar while no endpoint is listed, and with records.backend
+sqlite the records volume (from the StatefulSet's claim, an existing claim or an emptyDir). Takes
+(dict "context" $ "c" $c).
+*/}}
+{{- define "bcstack.coordinator.podTemplate" -}}
+{{- $ctx := .context }}
+{{- $c := .c }}
+{{- $name := include "bcstack.coordinator.name" $ctx }}
+{{- $sqlite := eq $c.records.backend "sqlite" }}
+{{- $persistence := $c.records.persistence }}
+{{- $standIn := include "bcstack.coordinator.usesStandIn" $c }}
+{{- $configDir := include "bcstack.coordinator.configDir" $ctx -}}
+metadata:
+  labels:
+    {{- include "bcstack.componentLabels" (dict "context" $ctx "component" "coordinator") | nindent 4 }}
+  annotations:
+    {{- /* Roll the pods when their settings change; env and --config are read only at start. */}}
+    checksum/common-config: {{ include (print $ctx.Template.BasePath "/configmap.yaml") $ctx | sha256sum }}
+    checksum/config: {{ include (print $ctx.Template.BasePath "/coordinator-configmap.yaml") $ctx | sha256sum }}
+    kubectl.kubernetes.io/default-container: coordinator
+    {{- with $c.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "bcstack.serviceAccountName" $ctx }}
+  automountServiceAccountToken: {{ $ctx.Values.serviceAccount.automount }}
+  {{- /* Service links would inject BCSTACK_COORDINATOR_PORT=tcp://... for a release named
+  "bcstack", which the gateway would read as its own --port setting. */}}
+  enableServiceLinks: false
+  {{- include "bcstack.imagePullSecrets" $ctx | nindent 2 }}
+  securityContext:
+    {{- include "bcstack.coordinator.podSecurityContext" . | nindent 4 }}
+  terminationGracePeriodSeconds: {{ $c.terminationGracePeriodSeconds }}
+  {{- if $standIn }}
+  {{- /*
+  No endpoint listed: the scripted stand-in coordinator LLM, as a native sidecar (an init
+  container with restartPolicy Always): the gateway starts once its startup probe passes, and
+  on deletion it is stopped only after the gateway has drained its episodes.
+  */}}
+  initContainers:
+    - name: coordinator-llm
+      restartPolicy: Always
+      image: {{ include "bcstack.image" (dict "context" $ctx "image" $c.image) }}
+      imagePullPolicy: {{ $c.image.pullPolicy | default $ctx.Values.image.pullPolicy }}
+      command: ["bcstack", "serve", "coordinator-llm"]
+      args:
+        - --policy
+        - scripted
+        - --model-name
+        - scripted-coordinator
+        {{- /* All addresses, so the kubelet's probes reach it; nothing else is told about it. */}}
+        - --host
+        - 0.0.0.0
+        - --port
+        - {{ $c.standIn.port | int64 | quote }}
+      ports:
+        - name: llm
+          containerPort: {{ $c.standIn.port | int64 }}
+          protocol: TCP
+      envFrom:
+        - configMapRef:
+            name: {{ include "bcstack.commonConfigName" $ctx }}
+      startupProbe:
+        httpGet:
+          path: /health
+          port: llm
+        periodSeconds: 2
+        timeoutSeconds: 5
+        failureThreshold: 60
+      livenessProbe:
+        httpGet:
+          path: /health
+          port: llm
+        periodSeconds: 20
+        timeoutSeconds: 5
+        failureThreshold: 3
+      {{- with $c.standIn.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- include "bcstack.coordinator.securityContext" . | nindent 8 }}
+      volumeMounts:
+        - name: tmp
+          mountPath: /tmp
+  {{- end }}
+  containers:
+    - name: coordinator
+      image: {{ include "bcstack.image" (dict "context" $ctx "image" $c.image) }}
+      imagePullPolicy: {{ $c.image.pullPolicy | default $ctx.Values.image.pullPolicy }}
+      {{- /* Explicit command, so both the common image (ENTRYPOINT bcstack) and
+      docker/coordinator.Dockerfile (ENTRYPOINT bcstack serve coordinator) run the same thing. */}}
+      command: ["bcstack", "serve", "coordinator"]
+      args:
+        - --config
+        - {{ printf "%s/config.yaml" $configDir | quote }}
+        - --host
+        - 0.0.0.0
+        - --port
+        - {{ $c.service.httpPort | int64 | quote }}
+        - --grpc-port
+        - {{ $c.service.grpcPort | int64 | quote }}
+      ports:
+        - name: http
+          containerPort: {{ $c.service.httpPort | int64 }}
+          protocol: TCP
+        - name: grpc
+          containerPort: {{ $c.service.grpcPort | int64 }}
+          protocol: TCP
+      envFrom:
+        - configMapRef:
+            name: {{ include "bcstack.commonConfigName" $ctx }}
+      env:
+        {{- include "bcstack.coordinator.env" . | nindent 8 }}
+      {{- /*
+      Startup and readiness: /health, 200 once the gateway serves (records open, registry
+      built). gRPC alternative: the gateway also implements grpc.health.v1 (NOT_SERVING from
+      SIGTERM on), so for gRPC-only clients the readiness probe can be
+          grpc:
+            port: {{ $c.service.grpcPort }}
+            service: bcstack.v1.CoordinatorService
+      Liveness: /metrics, not /health, as for the other services: a hung process fails it,
+      but a dependency reported in /health never restarts a pod and loses its episodes.
+      */}}
+      startupProbe:
+        httpGet:
+          path: /health
+          port: http
+        periodSeconds: {{ $c.probes.startup.periodSeconds }}
+        timeoutSeconds: {{ $c.probes.startup.timeoutSeconds }}
+        failureThreshold: {{ $c.probes.startup.failureThreshold }}
+      readinessProbe:
+        httpGet:
+          path: /health
+          port: http
+        periodSeconds: {{ $c.probes.readiness.periodSeconds }}
+        timeoutSeconds: {{ $c.probes.readiness.timeoutSeconds }}
+        failureThreshold: {{ $c.probes.readiness.failureThreshold }}
+      livenessProbe:
+        httpGet:
+          path: /metrics
+          port: http
+        periodSeconds: {{ $c.probes.liveness.periodSeconds }}
+        timeoutSeconds: {{ $c.probes.liveness.timeoutSeconds }}
+        failureThreshold: {{ $c.probes.liveness.failureThreshold }}
+      {{- with $c.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- include "bcstack.coordinator.securityContext" . | nindent 8 }}
+      volumeMounts:
+        - name: config
+          mountPath: {{ $configDir }}
+          readOnly: true
+        {{- if $sqlite }}
+        - name: records
+          mountPath: {{ $c.records.mountPath | quote }}
+        {{- end }}
+        {{- /* Temporary files (SQLite's among them); the root filesystem is read-only. */}}
+        - name: tmp
+          mountPath: /tmp
+        - name: home
+          mountPath: /home/bcstack
+  volumes:
+    - name: config
+      configMap:
+        name: {{ $name }}
+    {{- if and $sqlite (not $persistence.enabled) }}
+    - name: records
+      emptyDir: {}
+    {{- else if and $sqlite $persistence.existingClaim }}
+    - name: records
+      persistentVolumeClaim:
+        claimName: {{ $persistence.existingClaim }}
+    {{- end }}
+    - name: tmp
+      emptyDir: {}
+    - name: home
+      emptyDir: {}
+  {{- with $c.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $c.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $c.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
 {{- end }}
 
 {{/* Pod and container security contexts: the stack-wide ones with the coordinator's overrides on
