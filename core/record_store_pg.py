@@ -59,6 +59,8 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 created_at  double precision NOT NULL,
                 body        bytea NOT NULL
             )""",
+            # Bodies are zlib-compressed already: stored out of line without pglz trying again.
+            "ALTER TABLE episodes ALTER COLUMN body SET STORAGE EXTERNAL",
             "CREATE INDEX episodes_by_time ON episodes (created_at, seq)",
             "CREATE INDEX episodes_by_question ON episodes (question_id, created_at)",
         ),
@@ -278,8 +280,9 @@ class PostgresRecordStore(RecordStore):
             with conn.transaction():
                 inserted = conn.execute(
                     f"INSERT INTO episodes ({', '.join(_COLUMNS)}) "
-                    "SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], "
-                    "%s::float8[], %s::bytea[], %s::text[], %s::jsonb[], %s::bool[]) "
+                    # Binary parameters (%b): the bodies travel as bytes, not hex text.
+                    "SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::text[], "
+                    "%b::float8[], %b::bytea[], %b::text[], %b::text[]::jsonb[], %b::bool[]) "
                     "ON CONFLICT (episode_id) DO NOTHING RETURNING episode_id",
                     (
                         [r.episode_id for r in chosen],

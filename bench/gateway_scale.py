@@ -1,0 +1,360 @@
+"""Benchmark: the record store under a gateway, and gateway replicas on one PostgreSQL (issue 33).
+
+    python bench/gateway_scale.py [--writers 256] [--store-seconds 10] [--concurrency 256]
+                                  [--duration 15] [--replicas 1,2,4] [--results FILE] [--dirty-ok]
+
+Two parts, each comparing its variants side by side in one run:
+
+1. **Stores** (in this process, no gateway): `--writers` concurrent episodes writing records the
+   size of a real one (4 worker trajectories of 3,000 tokens with log-probs, ~40 KB compressed) for
+   `--store-seconds` each: SQLite with one commit per episode (the store before group commit),
+   SQLite with group commit, PostgreSQL with one commit per episode, PostgreSQL with group commit.
+   Episodes stored per second, the write latency (put to durable) p50/p99 of raw samples, and
+   episodes per commit; ratios against the first.
+2. **Gateways** (real processes: `bcstack serve coordinator` replicas, the scripted coordinator LLM,
+   the instant stub worker of `devkit.stubworker`, Debian's PostgreSQL, HAProxy in front of several
+   replicas): `--concurrency` closed-loop clients for `--duration` seconds, the same episode mix:
+   one gateway on SQLite, one on PostgreSQL, then 1, 2 and 4 replicas on PostgreSQL behind HAProxy.
+   Episodes/s, client latency p50/p99, every gateway process's CPU (user + system from /proc) per
+   coordinator turn, and that CPU relative to one replica's.
+
+All processes share this machine's cores (2 here): more replicas cannot add cores, so what this box
+shows for replicas is the CPU each episode costs (the goal: N replicas <= 1.1x one replica's), not
+throughput growing with cores. Machine, commit and raw numbers go to bench/results/gateway_scale.md;
+a checkout with uncommitted changes is refused unless --dirty-ok.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+from common import (  # noqa: E402
+    Table,
+    free_port,
+    print_machine,
+    require_clean_tree,
+    write_results,
+)
+from gateway import cpu_seconds, drive, percentiles_ms  # noqa: E402
+
+from bcstack.front import HaproxyFront  # noqa: E402
+from bcstack.pgserver import PostgresServer  # noqa: E402
+from core.record_store import open_record_store  # noqa: E402
+from devkit.stubworker import stub_worker  # noqa: E402
+
+
+def episode_record(episode_id: str, rng: random.Random) -> dict:
+    """A record shaped like a real episode's: 4 worker trajectories of 3,000 tokens with log-probs."""
+    workers = []
+    for w in range(4):
+        n = 3000
+        workers.append(
+            {
+                "episode_id": f"{episode_id}.w{w}",
+                "trajectory": {
+                    "token_ids": [rng.randrange(151_000) for _ in range(n)],
+                    "loss_mask": [int(i % 5 != 0) for i in range(n)],
+                    "rollout_logprobs": [round(-rng.random() * 3, 4) for _ in range(n)],
+                },
+            }
+        )
+    return {
+        "episode_id": episode_id,
+        "status": "finish",
+        "question_id": f"q{rng.randrange(500)}",
+        "group_id": f"g{rng.randrange(100)}",
+        "weight_versions": ["v1"],
+        "grades": {"correct": rng.random() < 0.3},
+        "workers": workers,
+    }
+
+
+def store_run(target: str, group_commit: bool, writers: int, seconds: float, records: list[dict]) -> dict:
+    """`writers` threads putting records for `seconds`; stored/s, latency, episodes per commit."""
+    store = open_record_store(target, group_commit=group_commit)
+    encoded = [store.encode(r) for r in records]  # the encoding is the caller's, not the store's
+    latencies: list[float] = []
+    lock = threading.Lock()
+    stop = time.perf_counter() + seconds
+    counter = iter(range(10**9))
+
+    def writer() -> None:
+        while time.perf_counter() < stop:
+            i = next(counter)
+            row = encoded[i % len(encoded)]
+            row = dataclasses.replace(row, episode_id=f"{row.episode_id}-{i}")
+            t0 = time.perf_counter()
+            store.submit(row).result()
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+
+    batches0 = store.batches
+    start = time.perf_counter()
+    threads = [threading.Thread(target=writer) for _ in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    batches = store.batches - batches0
+    store.close()
+    return {
+        "stored": len(latencies),
+        "seconds": elapsed,
+        "per_s": len(latencies) / elapsed,
+        "latency": percentiles_ms(latencies),
+        "per_commit": len(latencies) / max(batches, 1),
+    }
+
+
+def start_gateway(work: Path, name: str, ports: dict, records: dict[str, str], concurrency: int) -> dict:
+    config = {
+        "endpoints": [
+            {
+                "name": "scripted",
+                "base_url": f"http://127.0.0.1:{ports['llm']}/v1",
+                "model": "scripted-coordinator",
+            }
+        ],
+        "workers": [f"127.0.0.1:{ports['worker']}"],
+        "max_concurrent_episodes": concurrency * 2,
+        "log_level": "WARNING",
+    }
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    env = {**os.environ, **records, "BCSTACK_COORDINATOR_REPLICA_NAME": name}
+    log = (work / f"{name}.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bcstack", "serve", "coordinator", "--config", str(path), "--port", str(port),
+         "--grpc-port", str(free_port())],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"gateway {name} exited; see {work / (name + '.log')}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return {"url": url, "proc": proc, "address": f"127.0.0.1:{port}"}
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gateway {name} did not become healthy; see {work / (name + '.log')}")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def gateway_run(work: Path, label: str, ports: dict, records: dict[str, str], n: int, args) -> dict:
+    gateways = [start_gateway(work, f"{label}-{i + 1}", ports, records, args.concurrency) for i in range(n)]
+    front = None
+    try:
+        url = gateways[0]["url"]
+        if n > 1:
+            front = HaproxyFront(
+                work / f"front-{label}", port=free_port(), backends=[g["address"] for g in gateways]
+            )
+            front.start()
+            url = front.url
+        asyncio.run(drive(url, args.concurrency, 2.0))  # warm-up: connections, pools, first records
+        cpu0 = [cpu_seconds(g["proc"].pid) for g in gateways]
+        run = asyncio.run(drive(url, args.concurrency, args.duration))
+        cpu1 = [cpu_seconds(g["proc"].pid) for g in gateways]
+        run.pop("episode_ids")
+        run["gateway_cpu_s"] = sum(b - a for a, b in zip(cpu0, cpu1, strict=True))
+        run["cpu_ms_per_turn"] = run["gateway_cpu_s"] * 1e3 / max(run["turns"], 1)
+        return run
+    finally:
+        if front is not None:
+            front.stop()
+        for g in gateways:
+            stop(g["proc"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--writers", type=int, default=256, help="concurrent episodes writing, part 1")
+    parser.add_argument("--store-seconds", type=float, default=10.0, help="seconds per store variant")
+    parser.add_argument("--concurrency", type=int, default=256, help="episodes in flight, part 2")
+    parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per gateway variant")
+    parser.add_argument("--replicas", default="1,2,4", help="gateway replicas on PostgreSQL")
+    parser.add_argument("--results", type=Path, default=None, help="results file (default bench/results/)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
+    parser.add_argument("--dirty-ok", action="store_true", help="write results from uncommitted changes")
+    args = parser.parse_args()
+    replicas = [int(x) for x in args.replicas.split(",")]
+
+    print("gateway_scale: record stores and gateway replicas")
+    print_machine()
+    require_clean_tree("gateway_scale", args.dirty_ok)
+    work = Path(tempfile.mkdtemp(prefix="bcstack-gateway-scale-"))
+    os.chmod(work, 0o755)  # the PostgreSQL server runs as 'postgres' when this runs as root
+    server = PostgresServer(work / "postgres", port=free_port())
+    server.start()
+    spawn = multiprocessing.get_context("spawn")
+    ports = {"llm": free_port(), "worker": free_port()}
+    stub = spawn.Process(target=stub_worker, args=(ports["worker"],), daemon=True)
+    stub.start()
+    databases = iter(range(100))
+
+    def new_database() -> str:
+        import psycopg
+
+        name = f"bench{next(databases)}"
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return server.url.rsplit("/", 1)[0] + "/" + name
+
+    raw: dict = {"stores": [], "gateways": []}
+    try:
+        # --- part 1: stores -------------------------------------------------------------------
+        rng = random.Random(0)
+        records = [episode_record(f"ep{i}", rng) for i in range(64)]
+        for name, kind, group in (
+            ("SQLite, a commit per episode", "sqlite", False),
+            ("SQLite, group commit", "sqlite", True),
+            ("PostgreSQL, a commit per episode", "postgres", False),
+            ("PostgreSQL, group commit", "postgres", True),
+        ):
+            target = str(work / f"{name[:6]}-{group}.sqlite") if kind == "sqlite" else new_database()
+            run = store_run(target, group, args.writers, args.store_seconds, records)
+            run["variant"] = name
+            raw["stores"].append(run)
+            print(
+                f"  {name}: {run['per_s']:.0f} episodes/s, p50 {run['latency']['p50_ms']:.1f} ms, "
+                f"p99 {run['latency']['p99_ms']:.1f} ms, {run['per_commit']:.1f} per commit",
+                flush=True,
+            )
+
+        # --- part 2: gateways -----------------------------------------------------------------
+        llm_log = (work / "llm.log").open("w")
+        llm = subprocess.Popen(
+            [sys.executable, "-m", "bcstack", "serve", "coordinator-llm", "--port", str(ports["llm"])],
+            stdout=llm_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            stack.callback(stop, llm)
+            for _ in range(600):
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{ports['llm']}/health", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.2)
+            variants = [
+                ("1 gateway, SQLite", 1, {"BCSTACK_COORDINATOR_RECORDS_PATH": str(work / "gw.sqlite")})
+            ]
+            variants += [
+                (f"{n} gateway(s), PostgreSQL", n, {"BCSTACK_COORDINATOR_RECORDS_URL": new_database()})
+                for n in replicas
+            ]
+            for label, n, records_env in variants:
+                run = gateway_run(work, f"v{len(raw['gateways'])}", ports, records_env, n, args)
+                run.update(variant=label, replicas=n)
+                raw["gateways"].append(run)
+                print(
+                    f"  {label}: {run['episodes'] / run['seconds']:.1f} episodes/s, {run['errors']} errors, "
+                    f"p99 {run['latency']['p99_ms']:.0f} ms, "
+                    f"gateway CPU {run['cpu_ms_per_turn']:.2f} ms/turn",
+                    flush=True,
+                )
+    finally:
+        stub.terminate()
+        server.stop(mode="fast")
+        shutil.rmtree(work, ignore_errors=True)
+
+    base = raw["stores"][0]["per_s"]
+    store_rows = [
+        [
+            r["variant"], r["stored"], round(r["seconds"], 1), round(r["per_s"], 1),
+            round(r["per_s"] / base, 2),
+            round(r["latency"]["p50_ms"], 1), round(r["latency"]["p99_ms"], 1), round(r["per_commit"], 1),
+        ]
+        for r in raw["stores"]
+    ]  # fmt: skip
+    one = next(r for r in raw["gateways"] if r["replicas"] == 1 and "PostgreSQL" in r["variant"])
+    gateway_rows = [
+        [
+            r["variant"], r["episodes"], r["errors"], round(r["seconds"], 1),
+            round(r["episodes"] / r["seconds"], 1), round(r["latency"]["p50_ms"], 0),
+            round(r["latency"]["p99_ms"], 0), round(r["cpu_ms_per_turn"], 2),
+            round(r["cpu_ms_per_turn"] / one["cpu_ms_per_turn"], 2),
+        ]
+        for r in raw["gateways"]
+    ]  # fmt: skip
+    tables = [
+        Table(
+            f"Record stores: {args.writers} concurrent writers, {args.store_seconds:g} s each",
+            [
+                "variant",
+                "stored",
+                "seconds",
+                "episodes/s",
+                "x first",
+                "write p50 ms",
+                "write p99 ms",
+                "episodes per commit",
+            ],
+            store_rows,
+            notes=["Goals: group commit >= 5x a commit per episode; PostgreSQL >= 1,000 episodes/s stored."],
+        ),  # fmt: skip
+        Table(
+            f"Gateways: {args.concurrency} episodes in flight, {args.duration:g} s each, "
+            "scripted LLM, stub worker",
+            [
+                "variant",
+                "episodes",
+                "errors",
+                "seconds",
+                "episodes/s",
+                "p50 ms",
+                "p99 ms",
+                "gateway CPU ms/turn",
+                "x 1 PostgreSQL replica",
+            ],
+            gateway_rows,
+            notes=[
+                "Goal: CPU per turn with N replicas <= 1.1x one replica's. On 2 cores every process "
+                "(gateways, HAProxy, the LLM, the worker, PostgreSQL, this client) shares the same cores, "
+                "so episodes/s cannot grow with replicas here; the CPU per turn says what a replica costs."
+            ],
+        ),  # fmt: skip
+    ]
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=2))
+    print(f"results: {write_results('gateway_scale', tables, path=args.results, dirty_ok=args.dirty_ok)}")
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
