@@ -236,7 +236,7 @@ def restart(
         ...,
         metavar="SERVICE",
         help="A service of the stack, as stack.json names it: retrieval, engine, worker, coordinator-llm, "
-        "coordinator, judge (replicas: engine-2, worker-2, ...).",
+        "coordinator, judge (replicas: engine-2, worker-2, coordinator-2, ...), front (their HAProxy).",
     ),
     state: Path = typer.Option(Path(".bcstack"), "--state", help="The state folder `bcstack up` used."),
     timeout: float = typer.Option(300.0, "--timeout", min=1, help="Seconds to wait for it to be healthy."),

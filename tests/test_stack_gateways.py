@@ -89,6 +89,14 @@ def test_two_gateways_behind_one_front_share_the_stacks_postgresql_across_down_a
             got = httpx.get(f"{gateway}/v1/episodes/{episode_id}", timeout=10)
             assert got.status_code == 200 and got.json()["episode_id"] == episode_id
 
+    # `bcstack restart` gives a gateway the database again (else it would open an empty SQLite file)
+    # and starts the front on its port over the same gateways.
+    stack.restart(state, "coordinator-2", timeout=60, say=quiet)
+    stack.restart(state, "front", timeout=60, say=quiet)
+    assert httpx.get(f"{gateways[1]}/v1/episodes/{ids[0]}", timeout=10).status_code == 200
+    assert httpx.get(f"{front}/v1/episodes/{ids[1]}", timeout=10).status_code == 200
+
+    services = stack.read_state(state)["services"]
     pids = [s["pid"] for s in services.values()]
     assert len(pids) == 8  # retrieval, engine, worker, coordinator-llm, two gateways, judge, front
     stopped = down(state, say=quiet)
