@@ -4,17 +4,20 @@
     down(Path(".bcstack"))                         # stops every process (SIGTERM, then SIGKILL)
 
 What `up` builds under the state directory when it is missing: the toy world (`world/`), the tiny
-model (`tiny/`) and the retrieval index (`index/`). An existing world, tiny kit or index given
-with `world=`, `kit=`, `index=` is used as it is: checked, never rebuilt or written to. What it
-starts, each its own process group with its log in `logs/`: retrieval, the engine (the scripted
-expert, the untrained tiny model, or a checkpoint folder), the worker, the scripted coordinator
-LLM, the coordinator gateway and the judge (rule). `worker_settings=` / `engine_settings=`
-(setting name -> value) reach those two as their `bcstack serve` options, checked against their
-settings classes before anything starts. `stack.json` (DESIGN.md §8) records every service's URLs,
-pid and command line, the assets and the settings given; `admin-token` (mode 0600) holds the admin
-token the services share. A second `up` while a stack runs refuses. `restart(state, name)` starts
-one service again on its ports (stopping it first when it still runs): what an operator does after
-a crash, and what the kill-during-evaluation test does to each service in turn.
+model (`tiny/`) and the retrieval index (`index/`). An existing world, tiny kit or index given with
+`world=`, `kit=`, `index=` is used as it is: checked, never rebuilt or written to. What it starts,
+each its own process group with its log in `logs/`: retrieval, the engine (the scripted expert, the
+untrained tiny model, or a checkpoint folder), the worker, the scripted coordinator LLM, the
+coordinator gateway and the judge (rule); with `records_backend="postgres"` first a PostgreSQL
+server of the stack's own, and with `gateways=N` N gateways on it behind one HAProxy front whose
+URL is stack.json's "gateway" (`gateway_url`; bcstack/stack_gateways.py). `worker_settings=` /
+`engine_settings=` (setting name -> value) reach those two as their `bcstack serve` options,
+checked against their settings classes before anything starts. `stack.json` (DESIGN.md §8) records
+every service's URLs, pid and command line, the assets and the settings given; `admin-token` (mode
+0600) holds the admin token the services share. A second `up` while a stack runs refuses.
+`restart(state, name)` starts one service again on its ports (stopping it first when it still
+runs): what an operator does after a crash, and what the kill-during-evaluation test does to each
+service in turn.
 """
 
 from __future__ import annotations
