@@ -138,7 +138,15 @@ def up(
         None,
         "--records",
         metavar="FILE",
-        help="The gateway's episode record file; default: STATE/records.sqlite.",
+        help="The gateway's episode record file (--records-backend sqlite); default: STATE/records.sqlite.",
+    ),
+    records_backend: str = typer.Option(
+        "sqlite",
+        "--records-backend",
+        metavar="sqlite|postgres",
+        help="Where the gateways keep their episode records: sqlite (one file, one gateway) or postgres "
+        "(a PostgreSQL server of the stack's own in STATE/postgres, kept across down and up; its "
+        "programs come with Debian's postgresql package, `make install`).",
     ),
     replicas: int = typer.Option(
         1,
@@ -148,17 +156,27 @@ def up(
         "the gateway sends each episode to the least busy. The CPU engine runs on one core: on a machine "
         "with N cores, N replicas generate up to N times as fast.",
     ),
+    gateways: int = typer.Option(
+        1,
+        "--gateways",
+        min=1,
+        help="Coordinator gateway replicas on one PostgreSQL (needs --records-backend postgres; "
+        "coordinator-2, ... in stack.json), behind one HAProxy front that balances across them as a "
+        "Kubernetes Service does: the front's URL is the stack's gateway URL.",
+    ),
 ) -> None:
     """Start the whole stack on embedded defaults as local processes; build what is missing first.
 
     Retrieval, the engine, the worker, the scripted coordinator LLM, the coordinator gateway and
     the judge (rule) start on loopback ports (the default ports when free); their URLs and pids go
-    to STATE/stack.json, their logs to STATE/logs/. Stop them with `bcstack down`. A --world,
-    --kit or --index given is used as it is instead of building one under STATE; the
+    to STATE/stack.json, their logs to STATE/logs/. With --records-backend postgres a PostgreSQL
+    server starts first in STATE/postgres; --gateways N runs N gateways on it behind one HAProxy.
+    Stop them with `bcstack down`. A --world, --kit or --index given is used as it is instead of
+    building one under STATE; the
     --worker-setting / --engine-setting values are checked against those services' settings
     before anything starts and reach them as their `bcstack serve` options.
     """
-    from bcstack.stack import StackError, parse_settings
+    from bcstack.stack import StackError, gateway_url, parse_settings
     from bcstack.stack import up as stack_up
     from core.kit.cli import fail
 
@@ -177,13 +195,18 @@ def up(
             engine_settings=parse_settings("--engine-setting", engine_setting),
             records=records,
             replicas=replicas,
+            records_backend=records_backend,
+            gateways=gateways,
         )
     except StackError as e:
         fail(str(e))
-    gateway = info["services"]["coordinator"]["http"]
+    gateway = gateway_url(info)
     typer.echo(
         f"stack up ({worker} worker); state in {state}/stack.json, logs in {state}/logs, admin token in "
         f"{info['admin_token_file']}\n"
+        f"  gateway: {gateway}"
+        + (f" (HAProxy over {gateways} gateways)" if gateways > 1 else "")
+        + f"; records: {info['assets']['records']}\n"
         f"  try: curl -s {gateway}/v1/episodes -H 'content-type: application/json' "
         f'-d \'{{"question": "..."}}\'\n'
         f"  metrics: {gateway}/metrics (every service has /metrics)\n"
@@ -213,7 +236,7 @@ def restart(
         ...,
         metavar="SERVICE",
         help="A service of the stack, as stack.json names it: retrieval, engine, worker, coordinator-llm, "
-        "coordinator, judge (replicas: engine-2, worker-2, ...).",
+        "coordinator, judge (replicas: engine-2, worker-2, coordinator-2, ...), front (their HAProxy).",
     ),
     state: Path = typer.Option(Path(".bcstack"), "--state", help="The state folder `bcstack up` used."),
     timeout: float = typer.Option(300.0, "--timeout", min=1, help="Seconds to wait for it to be healthy."),

@@ -74,7 +74,7 @@ def _from_records(target: str, episode_id: str) -> dict:
 
 def _stack(state: Path) -> tuple[str, Path | None]:
     """The gateway URL of `bcstack up --state DIR`, and the tokenizer its workers use."""
-    from bcstack.stack import STATE_FILE, StackError, read_state
+    from bcstack.stack import STATE_FILE, StackError, gateway_url, read_state
 
     try:
         info = read_state(state)
@@ -84,7 +84,7 @@ def _stack(state: Path) -> tuple[str, Path | None]:
         fail(
             f"no stack described at {state / STATE_FILE}; run `bcstack up --state {state}`, or give --gateway"
         )
-    gateway = (info.get("services") or {}).get("coordinator", {}).get("http")
+    gateway = gateway_url(info)
     if not gateway:
         fail(f"{state / STATE_FILE} lists no coordinator gateway")
     worker = Path(str(info.get("worker", "")))

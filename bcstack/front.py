@@ -87,7 +87,11 @@ class HaproxyFront:
             last = (check.stderr or check.stdout).strip().splitlines()
             raise FrontError(f"HAProxy refused {config}: {last[-1] if last else check.returncode}")
         log = (self.folder / "haproxy.log").open("ab")
-        self.proc = subprocess.Popen([binary, "-db", "-f", str(config)], stdout=log, stderr=log)
+        # Its own session, as `bcstack up` starts every service: it outlives `up`, and `down` stops its group.
+        self.proc = subprocess.Popen(
+            [binary, "-db", "-f", str(config)], stdout=log, stderr=log, start_new_session=True
+        )
+        log.close()
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

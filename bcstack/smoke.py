@@ -62,7 +62,7 @@ def parse_targets(items: list[str]) -> dict[str, str]:
 
 def from_state(state: Path) -> tuple[str, dict[str, str]]:
     """The gateway URL and every service's URL from `bcstack up`'s stack.json."""
-    from bcstack.stack import STATE_FILE, StackError, base_name, read_state
+    from bcstack.stack import STATE_FILE, StackError, base_name, gateway_url, read_state
 
     path = state / STATE_FILE
     try:
@@ -75,9 +75,7 @@ def from_state(state: Path) -> tuple[str, dict[str, str]]:
     if "coordinator" not in services:
         raise SmokeError(f"{path} lists no coordinator gateway")
     # Every worker replica is checked: engine-2 / worker-2, ... carry the engine's / worker's metrics.
-    return services["coordinator"]["http"], {
-        n: s["http"] for n, s in services.items() if base_name(n) in PREFIXES
-    }
+    return gateway_url(info) or "", {n: s["http"] for n, s in services.items() if base_name(n) in PREFIXES}
 
 
 def _owner(family: str) -> str | None:

@@ -4,17 +4,20 @@
     down(Path(".bcstack"))                         # stops every process (SIGTERM, then SIGKILL)
 
 What `up` builds under the state directory when it is missing: the toy world (`world/`), the tiny
-model (`tiny/`) and the retrieval index (`index/`). An existing world, tiny kit or index given
-with `world=`, `kit=`, `index=` is used as it is: checked, never rebuilt or written to. What it
-starts, each its own process group with its log in `logs/`: retrieval, the engine (the scripted
-expert, the untrained tiny model, or a checkpoint folder), the worker, the scripted coordinator
-LLM, the coordinator gateway and the judge (rule). `worker_settings=` / `engine_settings=`
-(setting name -> value) reach those two as their `bcstack serve` options, checked against their
-settings classes before anything starts. `stack.json` (DESIGN.md §8) records every service's URLs,
-pid and command line, the assets and the settings given; `admin-token` (mode 0600) holds the admin
-token the services share. A second `up` while a stack runs refuses. `restart(state, name)` starts
-one service again on its ports (stopping it first when it still runs): what an operator does after
-a crash, and what the kill-during-evaluation test does to each service in turn.
+model (`tiny/`) and the retrieval index (`index/`). An existing world, tiny kit or index given with
+`world=`, `kit=`, `index=` is used as it is: checked, never rebuilt or written to. What it starts,
+each its own process group with its log in `logs/`: retrieval, the engine (the scripted expert, the
+untrained tiny model, or a checkpoint folder), the worker, the scripted coordinator LLM, the
+coordinator gateway and the judge (rule); with `records_backend="postgres"` first a PostgreSQL
+server of the stack's own, and with `gateways=N` N gateways on it behind one HAProxy front whose
+URL is stack.json's "gateway" (`gateway_url`; bcstack/stack_gateways.py). `worker_settings=` /
+`engine_settings=` (setting name -> value) reach those two as their `bcstack serve` options,
+checked against their settings classes before anything starts. `stack.json` (DESIGN.md §8) records
+every service's URLs, pid and command line, the assets and the settings given; `admin-token` (mode
+0600) holds the admin token the services share. A second `up` while a stack runs refuses.
+`restart(state, name)` starts one service again on its ports (stopping it first when it still
+runs): what an operator does after a crash, and what the kill-during-evaluation test does to each
+service in turn.
 """
 
 from __future__ import annotations
@@ -51,8 +54,11 @@ DEFAULT_PORTS = {
 }
 START_ORDER = tuple(DEFAULT_PORTS)  # dependencies first; `down` stops in reverse
 # Each worker replica is an engine and a worker sidecar (as in the chart's worker pods): the first is
-# "engine" / "worker", the others "engine-2" / "worker-2", ... on ports the OS picks.
-REPLICATED = ("engine", "worker")
+# "engine" / "worker", the others "engine-2" / "worker-2", ... on ports the OS picks. Gateway replicas
+# (`--gateways N`, on one PostgreSQL) are "coordinator", "coordinator-2", ... the same way.
+REPLICATED = ("engine", "worker", "coordinator")
+RECORDS_BACKENDS = ("sqlite", "postgres")  # as the chart's coordinator.records.backend
+FRONT = "front"  # the HAProxy in front of several gateways, in stack.json's services
 
 
 def replica_name(service: str, replica: int) -> str:
@@ -70,6 +76,11 @@ def _start_rank(name: str) -> tuple[int, str]:
     """Where a stack.json name comes in the start order (replicas beside their first)."""
     base = base_name(name)
     return (START_ORDER.index(base) if base in START_ORDER else len(START_ORDER), name)
+
+
+def gateway_url(info: dict[str, Any]) -> str | None:
+    """The one URL the apps send episodes to: the front over several gateways, else the gateway."""
+    return info.get("gateway") or (info.get("services") or {}).get("coordinator", {}).get("http")
 
 
 def worker_urls(info: dict[str, Any]) -> list[str]:
@@ -253,6 +264,19 @@ def parse_settings(flag: str, items: Iterable[str]) -> dict[str, str]:
     return settings
 
 
+def check_records(records_backend: str, gateways: int, records: Path | None) -> None:
+    """StackError (one line) for a records backend `up` cannot run the gateways on."""
+    if records_backend not in RECORDS_BACKENDS:
+        raise StackError(f"--records-backend {records_backend}: choose {' or '.join(RECORDS_BACKENDS)}")
+    if gateways < 1:
+        raise StackError(f"--gateways must be at least 1, got {gateways}")
+    if gateways > 1 and records_backend != "postgres":
+        # Each gateway on a SQLite file of its own would answer only for the episodes it ran.
+        raise StackError(f"--gateways {gateways} needs --records-backend postgres (one store they all share)")
+    if records is not None and records_backend != "sqlite":
+        raise StackError(f"--records {records}: a SQLite file; with --records-backend postgres leave it out")
+
+
 def check_assets(
     *, world: Path | None = None, kit: Path | None = None, index: Path | None = None, dense: str | None = None
 ) -> None:
@@ -372,18 +396,23 @@ def plan(
     engine_settings: Mapping[str, Any] | None = None,
     records: Path | None = None,
     replicas: int = 1,
+    records_url: str | None = None,
+    gateways: int = 1,
+    reserved: Iterable[int] = (),
 ) -> list[Service]:
     """The services `up` starts, with their command lines and ports.
 
     `worker_settings` / `engine_settings` (setting name -> value) go to those services as their
     options (see `check_settings`); `records` is the gateway's record file (default STATE/records.sqlite).
     `replicas` engine + worker pairs serve episodes; the gateway routes to the least busy one.
+    `records_url` (a PostgreSQL URL, a secret) replaces the file: it reaches the `gateways` gateway
+    processes in their environment, never on their command line. `reserved`: ports already taken.
     """
     if replicas < 1:
         raise StackError(f"--replicas must be at least 1, got {replicas}")
     worker_flags = setting_flags("worker", worker_settings)
     engine_flags = setting_flags("engine", engine_settings)
-    taken: set[int] = set()
+    taken: set[int] = set(reserved)
     # BCSTACK_UP_PORTS=any: ports the OS picks even where the chart's defaults are free, for several
     # stacks started at once on one machine (the suite under pytest-xdist): two `up`s that both find
     # 8001 free would race to bind it.
@@ -441,18 +470,27 @@ def plan(
         )
         pairs += [engine, worker_svc]
     llm = svc("coordinator-llm", ["--policy", "scripted"])
-    gateway = svc(
-        "coordinator",
-        [
-            "--coordinator-url", f"{llm.http}/v1",
-            "--workers", ",".join(w.grpc or "" for w in pairs[1::2]),
-            "--records", str(records or state / "records.sqlite"),
-            # the episode viewer (/ui) decodes worker token ids with the workers' own tokenizer
-            *(["--tokenizer", str(tokenizer)] if (Path(tokenizer) / "tokenizer.json").is_file() else []),
-        ],
-    )  # fmt: skip
+    gateway_args = [
+        "--coordinator-url", f"{llm.http}/v1",
+        "--workers", ",".join(w.grpc or "" for w in pairs[1::2]),
+        *([] if records_url else ["--records", str(records or state / "records.sqlite")]),
+        # the episode viewer (/ui) decodes worker token ids with the workers' own tokenizer
+        *(["--tokenizer", str(tokenizer)] if (Path(tokenizer) / "tokenizer.json").is_file() else []),
+    ]  # fmt: skip
+    gateway_replicas = []
+    for r in range(1, gateways + 1):
+        gateway = svc(replica_name("coordinator", r), gateway_args)
+        if records_url:
+            gateway.env.update(gateway_env(records_url, gateway.name))
+        gateway_replicas.append(gateway)
     judge = svc("judge", ["--cache", str(state / "judge-cache.sqlite")])
-    return [retrieval, *pairs, llm, gateway, judge]
+    return [retrieval, *pairs, llm, *gateway_replicas, judge]
+
+
+def gateway_env(records_url: str, name: str) -> dict[str, str]:
+    """A gateway's environment for a shared PostgreSQL store: the URL (a secret: not on its command
+    line, so not in `ps` or stack.json) and its replica name, which its episode claims carry."""
+    return {"BCSTACK_COORDINATOR_RECORDS_URL": records_url, "BCSTACK_COORDINATOR_REPLICA_NAME": name}
 
 
 def _healthy(url: str) -> bool:
@@ -485,6 +523,8 @@ def up(
     engine_settings: Mapping[str, Any] | None = None,
     records: Path | None = None,
     replicas: int = 1,
+    records_backend: str = "sqlite",
+    gateways: int = 1,
     timeout: float = 300.0,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -495,10 +535,17 @@ def up(
     dense backend (edge or none) of an index `up` builds. worker_settings / engine_settings: those
     services' settings by name (`{"snippet_words": "24"}`). records: the gateway's record file.
     replicas: engine + worker pairs (one core each on the CPU; the gateway spreads episodes over them).
+    records_backend: sqlite (the file) or postgres (a PostgreSQL server of the stack's own in
+    STATE/postgres, kept across down and up). gateways: gateway processes on that one PostgreSQL,
+    behind one HAProxy front whose URL is stack.json's "gateway" (bcstack/stack_gateways.py).
     Everything given is checked before anything is built or started.
     """
+    from bcstack import stack_gateways
+
     if replicas < 1:
         raise StackError(f"--replicas must be at least 1, got {replicas}")
+    check_records(records_backend, gateways, records)
+    stack_gateways.check_programs(records_backend, gateways)
     world, kit, index, records = (_resolved(p) for p in (world, kit, index, records))
     settings = {
         "worker": check_settings("worker", worker_settings),
@@ -510,8 +557,11 @@ def up(
     info = read_state(state)
     if info is not None:
         alive = running_pids(info)
+        server = stack_gateways.postgres_of(info)
+        if server is not None and server.running():
+            alive["postgres"] = server.port
         if alive:
-            listed = ", ".join(f"{n} (pid {p})" for n, p in alive.items())
+            listed = ", ".join(f"{n} ({'port' if n == 'postgres' else 'pid'} {p})" for n, p in alive.items())
             raise StackError(
                 f"a stack is already running from {state}: {listed}; run `bcstack down --state {state}`"
             )
@@ -529,33 +579,52 @@ def up(
         dense=dense,
     )
     records = records or state / "records.sqlite"
+    defaults = os.environ.get("BCSTACK_UP_PORTS", "default") != "any"  # as in `plan`
+    reserved: set[int] = set()
+    front_port = (
+        _pick_port(DEFAULT_PORTS["coordinator"][0] if defaults else None, reserved) if gateways > 1 else None
+    )  # the front takes the gateway's usual port: the apps' URL stays what one gateway gives
+    pg_port = _pick_port(None, reserved) if records_backend == "postgres" else None
     token_path = state / TOKEN_FILE
     if not token_path.is_file():
         token_path.write_text(secrets.token_urlsafe(24) + "\n")
         token_path.chmod(0o600)
     token = token_path.read_text().strip()
     (state / TRAIN_DIR).mkdir(exist_ok=True)
-    services = plan(
-        state,
-        assets,
-        worker,
-        token,
-        worker_settings=settings["worker"],
-        engine_settings=settings["engine"],
-        records=records,
-        replicas=replicas,
-    )
-    described = {
-        "worker": worker,
-        "replicas": replicas,
-        "assets": {**{k: str(v) for k, v in assets.items()}, "records": str(records)},
-        "settings": settings,
-    }
     logs = state / "logs"
     logs.mkdir(exist_ok=True)
     started: list[Service] = []
     procs: dict[str, subprocess.Popen] = {}
+    server = front = None
     try:
+        if pg_port is not None:
+            server = stack_gateways.start_postgres(state, pg_port)
+            say(f"  {'postgres':16s} {server.public_url}")
+        services = plan(
+            state,
+            assets,
+            worker,
+            token,
+            worker_settings=settings["worker"],
+            engine_settings=settings["engine"],
+            records=records,
+            replicas=replicas,
+            records_url=server.url if server else None,
+            gateways=gateways,
+            reserved=reserved,
+        )
+        described = {
+            "worker": worker,
+            "replicas": replicas,
+            "gateways": gateways,
+            "records_backend": records_backend,
+            "assets": {
+                **{k: str(v) for k, v in assets.items()},
+                "records": server.public_url if server else str(records),
+            },
+            "settings": settings,
+            **({"postgres": stack_gateways.postgres_entry(server)} if server else {}),
+        }
         # Every service starts at once (their imports overlap on the cores), then each is waited for in
         # plan order; none needs another to be up to start (clients connect when first used).
         for service in services:
@@ -584,8 +653,24 @@ def up(
                     raise StackError(f"{service.name} was not healthy within {timeout:.0f} s; see {logs}")
                 time.sleep(0.1)
             say(f"  {service.name:16s} {service.http}" + (f"  gRPC {service.grpc}" if service.grpc else ""))
+        gateway = next(s for s in services if s.name == "coordinator").http
+        if front_port is not None:
+            backends = [s for s in services if base_name(s.name) == "coordinator"]
+            front = stack_gateways.start_front(
+                state, front_port, [f"127.0.0.1:{s.http_port}" for s in backends]
+            )
+            assert front.proc is not None
+            # In services, so that `down` stops it and a second `up` sees it run; no `bcstack` command line.
+            started.append(Service(FRONT, [], front_port, None, pid=front.proc.pid))
+            gateway = front.url
+            say(f"  {FRONT:16s} {front.url}  (HAProxy over {', '.join(s.name for s in backends)})")
+        described["gateway"] = gateway
     except BaseException:
+        if front is not None:
+            front.stop()
         _stop(started)
+        if server is not None:
+            stack_gateways.stop_postgres(server)
         (state / STATE_FILE).unlink(missing_ok=True)
         raise
     return _write_state(state, started, described)
@@ -644,13 +729,20 @@ def down(state: Path, *, say: Callable[[str], None] = print) -> int:
     info = read_state(state)
     if info is None:
         raise StackError(f"no stack was started from {state} (no {STATE_FILE})")
+    from bcstack import stack_gateways
+
     alive = running_pids(info)
     order = [alive[name] for name in sorted(alive, key=_start_rank)]
     killed = _stop(order)
     for name in alive:
         say(f"  stopped {name} (pid {alive[name]})" + (" with SIGKILL" if alive[name] in killed else ""))
+    stopped = len(alive)
+    server = stack_gateways.postgres_of(info)
+    if server is not None and stack_gateways.stop_postgres(server):  # after the gateways it serves
+        say(f"  stopped postgres ({server.public_url}; its data stays in {server.folder})")
+        stopped += 1
     (state / STATE_FILE).unlink(missing_ok=True)
-    return len(alive)
+    return stopped
 
 
 def restart(
@@ -672,6 +764,8 @@ def restart(
         known = ", ".join(sorted(services, key=_start_rank))
         raise StackError(f"no service {name!r} in {state / STATE_FILE}; its services: {known}")
     entry = services[name]
+    if name == FRONT:
+        return _restart_front(state, info, say)
     args = entry.get("args")
     if not args:
         raise StackError(
@@ -684,6 +778,12 @@ def restart(
         _stop([pid])
     token_path = state / TOKEN_FILE
     env = {"BCSTACK_ADMIN_TOKEN": token_path.read_text().strip()} if token_path.is_file() else {}
+    if base_name(name) == "coordinator":
+        from bcstack.stack_gateways import postgres_of
+
+        server = postgres_of(info)
+        if server is not None:
+            env.update(gateway_env(server.url, name))
     log_path = state / "logs" / f"{name}.log"
     log_path.parent.mkdir(exist_ok=True)
     with log_path.open("a") as log:
@@ -708,6 +808,25 @@ def restart(
             raise StackError(f"{name} was not healthy within {timeout:.0f} s of the restart; see {log_path}")
         time.sleep(0.1)
     say(f"  {name:16s} {entry['http']} (pid {proc.pid})")
+    return read_state(state) or {}
+
+
+def _restart_front(state: Path, info: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+    """The HAProxy front again, on its port, over the gateways stack.json lists."""
+    from bcstack.stack_gateways import start_front
+
+    entry = info["services"][FRONT]
+    if entry.get("pid") and _alive(entry["pid"]):
+        say(f"  stopping {FRONT} (pid {entry['pid']})")
+        _stop([entry["pid"]])
+    names = sorted(
+        (n for n in info["services"] if base_name(n) == "coordinator"), key=lambda n: (n != "coordinator", n)
+    )
+    backends = [info["services"][n]["http"].removeprefix("http://") for n in names]
+    front = start_front(state, int(entry["http"].rsplit(":", 1)[1]), backends)
+    assert front.proc is not None
+    _update_pid(state, FRONT, front.proc.pid)
+    say(f"  {FRONT:16s} {front.url} (pid {front.proc.pid})")
     return read_state(state) or {}
 
 

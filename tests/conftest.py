@@ -43,6 +43,7 @@ SLOWEST_FIRST = (
     "test_engine_prefix_cache.py",
     "test_loadtest.py",
     "test_stack_options.py",
+    "test_stack_gateways.py",
     "test_grpc_fuzz.py",
     "test_specialists.py",
     "test_trainer_grpo.py",

@@ -15,7 +15,7 @@ app = typer.Typer(
 
 
 def _urls_from_state(state: Path) -> tuple[str, str]:
-    from bcstack.stack import StackError, read_state, running_pids
+    from bcstack.stack import StackError, gateway_url, read_state, running_pids
 
     try:
         info = read_state(state)
@@ -27,7 +27,7 @@ def _urls_from_state(state: Path) -> tuple[str, str]:
             "or pass --gateway and --judge)"
         )
     services = info["services"]
-    return services["coordinator"]["http"], services["judge"]["http"]
+    return gateway_url(info) or "", services["judge"]["http"]
 
 
 @app.command("run")

@@ -212,11 +212,11 @@ def rl(
         stack_file = state / "stack.json"
         if not stack_file.is_file():
             fail(f"--state {state}: no stack.json (start one with `bcstack up --state {state}`)")
-        from bcstack.stack import worker_urls
+        from bcstack.stack import gateway_url, worker_urls
 
         info = json.loads(stack_file.read_text())
         services = info["services"]
-        gateway = gateway or services["coordinator"]["http"]
+        gateway = gateway or gateway_url(info)
         judge = judge or services["judge"]["http"]
         workers = workers or ",".join(worker_urls(info))
         if not token and (state / "admin-token").is_file():
