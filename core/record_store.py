@@ -592,14 +592,21 @@ class SqliteRecordStore(RecordStore):
             if conn is None:
                 raise RecordStoreError(f"record file {self.path} is closed")
             try:
-                conn.execute("BEGIN IMMEDIATE")
+                conn.execute(
+                    "BEGIN IMMEDIATE"
+                )  # the write lock: nobody records an id between look and insert
                 try:
+                    recorded = self._recorded(conn, [rows[i].episode_id for i in keep])
+                    fresh = []
                     for i in keep:
-                        if conn.execute(self._INSERT, self._params(rows[i])).rowcount == 0:
+                        if rows[i].episode_id in recorded:
                             result[i] = RecordExists(f"episode {rows[i].episode_id} is already recorded")
+                        else:
+                            fresh.append(rows[i])
+                    conn.executemany(self._INSERT, [self._params(row) for row in fresh])
                     conn.executemany(
                         "DELETE FROM episode_claims WHERE episode_id = ?",
-                        [(rows[i].episode_id,) for i in keep if result[i] is None],
+                        [(row.episode_id,) for row in fresh],
                     )
                     conn.execute("COMMIT")
                 except BaseException:
@@ -608,6 +615,21 @@ class SqliteRecordStore(RecordStore):
             except sqlite3.Error as exc:
                 raise RecordStoreError(f"cannot write {len(rows)} episode(s) to {self.path}: {exc}") from None
         return result
+
+    @staticmethod
+    def _recorded(conn: sqlite3.Connection, episode_ids: list[str]) -> set[str]:
+        """Which of `episode_ids` are recorded already (in chunks under SQLite's variable limit)."""
+        found: set[str] = set()
+        for at in range(0, len(episode_ids), 500):
+            chunk = episode_ids[at : at + 500]
+            marks = ", ".join("?" * len(chunk))
+            found.update(
+                row[0]
+                for row in conn.execute(
+                    f"SELECT episode_id FROM episodes WHERE episode_id IN ({marks})", chunk
+                )
+            )
+        return found
 
     def insert_rows(self, rows: Iterator[Row]) -> int:
         """Insert encoded rows in one transaction (an export's target); how many."""
