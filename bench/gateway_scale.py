@@ -6,7 +6,7 @@
 Two parts, each comparing its variants side by side in one run:
 
 1. **Stores** (in this process, no gateway): `--writers` concurrent episodes writing records the
-   size of a real one (4 worker trajectories of 3,000 tokens with log-probs, ~40 KB compressed) for
+   size of a real one (4 worker trajectories of 3,000 tokens with log-probs, ~70 KiB compressed; and small ones) for
    `--store-seconds` each: SQLite with one commit per episode (the store before group commit),
    SQLite with group commit, PostgreSQL with one commit per episode, PostgreSQL with group commit.
    Episodes stored per second, the write latency (put to durable) p50/p99 of raw samples, and
