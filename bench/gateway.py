@@ -100,8 +100,10 @@ def histogram_mean_ms(before, after) -> dict:
     return {"n": int(n), "mean_ms": (s1 - s0) / n * 1e3 if n > 0 else float("nan")}
 
 
-async def drive(url: str, concurrency: int, duration: float) -> dict:
-    """N closed-loop clients posting episodes for `duration` seconds (aiohttp: a cheap load generator)."""
+async def drive(url: str, concurrency: int, duration: float, *, named: bool = False) -> dict:
+    """N closed-loop clients posting episodes for `duration` seconds (aiohttp: a cheap load generator);
+    `named`: each body names its episode id, as the apps do (the gateway then claims it)."""
+    run_id = f"{random.randrange(16**8):08x}"
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     deadline = time.perf_counter() + duration
     done = turns = errors = 0
@@ -118,6 +120,8 @@ async def drive(url: str, concurrency: int, duration: float) -> dict:
             while time.perf_counter() < deadline:
                 counter += 1
                 body = {"question": f"Where was the laureate of prize {counter} born?"}
+                if named:
+                    body["episode_id"] = f"{run_id}-{counter}"
                 t0 = time.perf_counter()
                 try:
                     async with client.post("/v1/episodes", json=body) as r:

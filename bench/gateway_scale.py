@@ -6,7 +6,8 @@
 Two parts, each comparing its variants side by side in one run:
 
 1. **Stores** (in this process, no gateway): `--writers` concurrent episodes writing records the
-   size of a real one (4 worker trajectories of 3,000 tokens with log-probs, ~70 KiB compressed; and small ones) for
+   size of a real one (4 worker trajectories of 3,000 tokens with log-probs, ~70 KiB compressed)
+   and small ones (~0.7 KiB) for
    `--store-seconds` each: SQLite with one commit per episode (the store before group commit),
    SQLite with group commit, PostgreSQL with one commit per episode, PostgreSQL with group commit.
    Episodes stored per second, the write latency (put to durable) p50/p99 of raw samples, and
@@ -188,7 +189,9 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def gateway_run(work: Path, label: str, ports: dict, records: dict[str, str], n: int, args) -> dict:
+def gateway_run(
+    work: Path, label: str, ports: dict, records: dict[str, str], n: int, args, *, named: bool = False
+) -> dict:
     gateways = [start_gateway(work, f"{label}-{i + 1}", ports, records, args.concurrency) for i in range(n)]
     front = None
     try:
@@ -199,9 +202,9 @@ def gateway_run(work: Path, label: str, ports: dict, records: dict[str, str], n:
             )
             front.start()
             url = front.url
-        asyncio.run(drive(url, args.concurrency, 2.0))  # warm-up: connections, pools, first records
+        asyncio.run(drive(url, args.concurrency, 2.0, named=named))  # warm-up: connections, pools, records
         cpu0 = [cpu_seconds(g["proc"].pid) for g in gateways]
-        run = asyncio.run(drive(url, args.concurrency, args.duration))
+        run = asyncio.run(drive(url, args.concurrency, args.duration, named=named))
         cpu1 = [cpu_seconds(g["proc"].pid) for g in gateways]
         run.pop("episode_ids")
         run["gateway_cpu_s"] = sum(b - a for a, b in zip(cpu0, cpu1, strict=True))
@@ -223,12 +226,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=256, help="episodes in flight, part 2")
     parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per gateway variant")
     parser.add_argument("--replicas", default="1,2,4", help="gateway replicas on PostgreSQL")
+    parser.add_argument(
+        "--named", default="1,2", help="gateway replicas on PostgreSQL driven with named episode ids (claims)"
+    )
     parser.add_argument("--results", type=Path, default=None, help="results file (default bench/results/)")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
     parser.add_argument("--dirty-ok", action="store_true", help="write results from uncommitted changes")
     parser.add_argument("--stores-only", action="store_true", help="part 1 only (no gateways)")
     args = parser.parse_args()
     replicas = [int(x) for x in args.replicas.split(",")]
+    named_replicas = [int(x) for x in args.named.split(",") if x]
 
     print("gateway_scale: record stores and gateway replicas")
     print_machine()
@@ -298,8 +305,17 @@ def main() -> None:
                 (f"{n} gateway(s), PostgreSQL", n, {"BCSTACK_COORDINATOR_RECORDS_URL": new_database()})
                 for n in ([] if args.stores_only else replicas)
             ]
+            variants += [
+                (
+                    f"{n} gateway(s), PostgreSQL, named ids",
+                    n,
+                    {"BCSTACK_COORDINATOR_RECORDS_URL": new_database()},
+                )
+                for n in ([] if args.stores_only else named_replicas)
+            ]
             for label, n, records_env in variants:
-                run = gateway_run(work, f"v{len(raw['gateways'])}", ports, records_env, n, args)
+                named = "named ids" in label
+                run = gateway_run(work, f"v{len(raw['gateways'])}", ports, records_env, n, args, named=named)
                 run.update(variant=label, replicas=n)
                 raw["gateways"].append(run)
                 print(
