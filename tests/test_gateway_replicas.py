@@ -11,12 +11,15 @@ instant worker service (`devkit.stubworker`), driven by the apps' own client
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,6 +32,7 @@ from stack_util import bcstack_process, bcstack_processes
 
 from bcstack.front import HaproxyFront
 from bcstack.gateway_client import run_episode
+from bcstack.pgserver import PostgresServer
 from devkit.stubworker import stub_worker
 
 REPLICAS = 3
@@ -37,9 +41,10 @@ CONCURRENCY = 256
 LEASE_SECONDS = 2.0
 
 
-@pytest.fixture
-def replicas(pg_server, tmp_path):  # noqa: F811
-    url = new_database(pg_server)
+@contextlib.contextmanager
+def gateways_on(url: str, tmp_path: Path, n: int, *, log_level: str = "WARNING") -> Iterator[dict]:
+    """`n` gateways on the record database at `url`, the scripted LLM, a stub worker and, for n > 1,
+    HAProxy in front; the URLs and processes."""
     ports = {"llm": find_free_port(), "worker": find_free_port()}
     stub = multiprocessing.get_context("spawn").Process(
         target=stub_worker, args=(ports["worker"],), daemon=True
@@ -54,11 +59,11 @@ def replicas(pg_server, tmp_path):  # noqa: F811
                 "workers": [f"127.0.0.1:{ports['worker']}"],
                 "max_concurrent_episodes": 1024,
                 "claim_lease_seconds": LEASE_SECONDS,
-                "log_level": "WARNING",
+                "log_level": log_level,
             }
         )
     )
-    http = [find_free_port() for _ in range(REPLICAS)]
+    http = [find_free_port() for _ in range(n)]
     specs = [
         (
             ["serve", "coordinator", "--config", str(config), "--port", str(port), "--grpc-port", "0"],
@@ -74,17 +79,27 @@ def replicas(pg_server, tmp_path):  # noqa: F811
         with (
             bcstack_process(["serve", "coordinator-llm", "--port", str(ports["llm"])], llm + "/health"),
             bcstack_processes(specs) as gateways,
-            HaproxyFront(Path(tempfile.mkdtemp(prefix="front-", dir=tmp_path)), port=find_free_port(),
-                         backends=[f"127.0.0.1:{p}" for p in http]) as front,
-        ):  # fmt: skip
+            contextlib.ExitStack() as fronts,
+        ):
+            front = None
+            if n > 1:
+                folder = Path(tempfile.mkdtemp(prefix="front-", dir=tmp_path))
+                backends = [f"127.0.0.1:{p}" for p in http]
+                front = fronts.enter_context(HaproxyFront(folder, port=find_free_port(), backends=backends))
             yield {
                 "url": url,
-                "front": front.url,
+                "front": front.url if front is not None else f"http://127.0.0.1:{http[0]}",
                 "gateways": [f"http://127.0.0.1:{p}" for p in http],
                 "procs": gateways,
             }
     finally:
         stub.terminate()
+
+
+@pytest.fixture
+def replicas(pg_server, tmp_path):  # noqa: F811
+    with gateways_on(new_database(pg_server), tmp_path, REPLICAS) as stack:
+        yield stack
 
 
 def test_two_thousand_episodes_across_three_replicas_one_killed_each_id_recorded_once(replicas):
@@ -150,3 +165,46 @@ def test_a_named_episode_runs_once_when_sent_to_every_replica_at_once(replicas):
     assert len({repr(a) for a in answers}) == 1  # the very same record, not three runs
     with psycopg.connect(replicas["url"]) as conn:
         assert conn.execute("SELECT count(*) FROM episodes WHERE episode_id = 'shared-1'").fetchone()[0] == 1
+
+
+def test_postgresql_stopping_mid_run_is_503_and_the_clients_episode_lands_once_it_returns(tmp_path):
+    """The record database goes away between two episodes: the gateway answers 503 with Retry-After
+    (never a 500, never the password), the apps' client keeps retrying the same id, and once the
+    database is back the episode runs and is recorded once."""
+    folder = Path(tempfile.mkdtemp(prefix="bcstack-pg-outage-"))
+    server = PostgresServer(folder, port=find_free_port())
+    server.start()
+    try:
+        with gateways_on(server.url, tmp_path, 1, log_level="INFO") as stack:
+            gateway = stack["gateways"][0]
+
+            async def one(client: httpx.AsyncClient, episode_id: str):
+                body = {"question": "Where was the laureate born?", "episode_id": episode_id}
+                return await run_episode(client, gateway, body, full_attempts=120)
+
+            async def scenario() -> None:
+                async with httpx.AsyncClient(timeout=60) as client:
+                    assert (await one(client, "before")).episode_id == "before"
+                    server.stop(mode="fast")
+                    answer = await client.post(
+                        f"{gateway}/v1/episodes", json={"question": "Who?", "episode_id": "during"}
+                    )
+                    assert answer.status_code == 503 and answer.headers["retry-after"] == "2"
+                    assert server.password not in answer.text
+                    retried = asyncio.create_task(one(client, "during"))
+                    await asyncio.sleep(3)
+                    assert not retried.done()  # still waiting: nothing lost, nothing faked
+                    await asyncio.to_thread(server.start)
+                    record = await asyncio.wait_for(retried, timeout=120)
+                    assert record.episode_id == "during"
+
+            asyncio.run(scenario())
+            with psycopg.connect(server.url) as conn:
+                ids = sorted(r[0] for r in conn.execute("SELECT episode_id FROM episodes"))
+            assert ids == ["before", "during"]
+            log = stack["procs"][0].log()
+            assert "record store cannot be reached" in log or "cannot connect" in log
+            assert server.password not in log
+    finally:
+        server.stop(mode="immediate")
+        shutil.rmtree(folder, ignore_errors=True)
