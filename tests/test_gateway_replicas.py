@@ -203,7 +203,8 @@ def test_postgresql_stopping_mid_run_is_503_and_the_clients_episode_lands_once_i
                 ids = sorted(r[0] for r in conn.execute("SELECT episode_id FROM episodes"))
             assert ids == ["before", "during"]
             log = stack["procs"][0].log()
-            assert "record store cannot be reached" in log or "cannot connect" in log
+            outage = "ERROR bcstack.coordinator: cannot read episode during in record database postgresql://"
+            assert outage in log
             assert server.password not in log
     finally:
         server.stop(mode="immediate")
