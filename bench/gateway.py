@@ -62,7 +62,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from devkit.stubworker import stub_worker  # noqa: E402
+from devkit.stubworker import gateway_config, stub_worker  # noqa: E402
 
 # Gateway settings per variant, on top of the common ones; the first listed is the baseline.
 VARIANTS: dict[str, dict] = {
@@ -373,20 +373,14 @@ def start_gateway(
     records = work / f"records-{variant}.sqlite"
     for suffix in ("", "-wal", "-shm"):
         Path(str(records) + suffix).unlink(missing_ok=True)
-    config = {
-        "endpoints": [
-            {
-                "name": "scripted",
-                "base_url": f"http://127.0.0.1:{ports['llm']}/v1",
-                "model": "scripted-coordinator",
-            }
-        ],
-        "workers": [f"127.0.0.1:{ports['worker']}"],
-        "records_path": str(records),
-        "max_concurrent_episodes": max_concurrent,
-        "log_level": "WARNING",
+    config = gateway_config(
+        ports["llm"],
+        ports["worker"],
+        records_path=str(records),
+        max_concurrent_episodes=max_concurrent,
+        log_level="WARNING",
         **VARIANTS[variant],
-    }
+    )
     path = work / f"gateway-{variant}.yaml"
     path.write_text(yaml.safe_dump(config))
     http, grpc_port = free_port(), free_port()

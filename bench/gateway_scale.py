@@ -61,7 +61,7 @@ from gateway import cpu_seconds, drive, percentiles_ms  # noqa: E402
 from bcstack.front import HaproxyFront  # noqa: E402
 from bcstack.pgserver import PostgresServer  # noqa: E402
 from core.record_store import RecordStore, open_record_store  # noqa: E402
-from devkit.stubworker import stub_worker  # noqa: E402
+from devkit.stubworker import gateway_config, stub_worker  # noqa: E402
 
 
 def episode_record(episode_id: str, rng: random.Random, tokens: int = 3000) -> dict:
@@ -143,18 +143,9 @@ def fsync_us(folder: Path, n: int = 500) -> float:
 
 
 def start_gateway(work: Path, name: str, ports: dict, records: dict[str, str], concurrency: int) -> dict:
-    config = {
-        "endpoints": [
-            {
-                "name": "scripted",
-                "base_url": f"http://127.0.0.1:{ports['llm']}/v1",
-                "model": "scripted-coordinator",
-            }
-        ],
-        "workers": [f"127.0.0.1:{ports['worker']}"],
-        "max_concurrent_episodes": concurrency * 2,
-        "log_level": "WARNING",
-    }
+    config = gateway_config(
+        ports["llm"], ports["worker"], max_concurrent_episodes=concurrency * 2, log_level="WARNING"
+    )
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import queue
@@ -458,6 +459,18 @@ def _statements(script: str) -> list[str]:
     return [s for s in script.split(";") if s.strip()]
 
 
+@contextlib.contextmanager
+def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE (the write lock) ... COMMIT, or ROLLBACK on any error."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
 class SqliteRecordStore(RecordStore):
     """Durable episode records in one SQLite file (WAL, synchronous=FULL: a commit is fsynced before
     put() returns). Thread-safe. Writes (group commits, claims) share one connection behind a lock;
@@ -502,8 +515,7 @@ class SqliteRecordStore(RecordStore):
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
         # BEGIN IMMEDIATE: two processes opening a new file at once create the schema only once.
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with _immediate(conn):
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if version == 0 and not tables:
@@ -532,10 +544,6 @@ class SqliteRecordStore(RecordStore):
                         f"expected {', '.join(_COLUMNS)}"
                     )
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
 
     @staticmethod
     def _columns(conn: sqlite3.Connection) -> tuple[str, ...]:
@@ -592,10 +600,8 @@ class SqliteRecordStore(RecordStore):
             if conn is None:
                 raise RecordStoreError(f"record file {self.path} is closed")
             try:
-                conn.execute(
-                    "BEGIN IMMEDIATE"
-                )  # the write lock: nobody records an id between look and insert
-                try:
+                # The write lock: nobody records an id between the look and the insert.
+                with _immediate(conn):
                     recorded = self._recorded(conn, [rows[i].episode_id for i in keep])
                     fresh = []
                     for i in keep:
@@ -608,10 +614,6 @@ class SqliteRecordStore(RecordStore):
                         "DELETE FROM episode_claims WHERE episode_id = ?",
                         [(row.episode_id,) for row in fresh],
                     )
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
             except sqlite3.Error as exc:
                 raise RecordStoreError(f"cannot write {len(rows)} episode(s) to {self.path}: {exc}") from None
         return result
@@ -636,14 +638,9 @@ class SqliteRecordStore(RecordStore):
         n = 0
         with self._wlock:
             conn = self._write()
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _immediate(conn):
                 for row in rows:
                     n += conn.execute(self._INSERT, self._params(row)).rowcount
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
         return n
 
     def checkpoint(self) -> None:
@@ -658,8 +655,7 @@ class SqliteRecordStore(RecordStore):
         with self._wlock:
             conn = self._write()
             try:
-                conn.execute("BEGIN IMMEDIATE")
-                try:
+                with _immediate(conn):
                     conn.execute(
                         "INSERT INTO episode_claims (episode_id, replica, lease_until) VALUES (?, ?, ?) "
                         "ON CONFLICT (episode_id) DO UPDATE SET replica = excluded.replica, "
@@ -670,10 +666,6 @@ class SqliteRecordStore(RecordStore):
                     holder = conn.execute(
                         "SELECT replica FROM episode_claims WHERE episode_id = ?", (episode_id,)
                     ).fetchone()[0]
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
             except sqlite3.Error as exc:
                 raise RecordStoreError(f"cannot claim episode {episode_id} in {self.path}: {exc}") from None
         return None if holder == replica else holder

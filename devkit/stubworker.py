@@ -4,6 +4,7 @@ measured or tested is the gateway (bench/gateway.py, bench/gateway_scale.py,
 tests/test_gateway_replicas.py).
 
     multiprocessing.get_context("spawn").Process(target=stub_worker, args=(port,), daemon=True).start()
+    config = gateway_config(llm_port, worker_port, log_level="WARNING")   # a gateway's --config
 """
 
 from __future__ import annotations
@@ -62,3 +63,19 @@ def stub_worker(port: int) -> None:
         await server.wait_for_termination()
 
     asyncio.run(serve())
+
+
+def gateway_config(llm_port: int, worker_port: int, **settings: object) -> dict:
+    """A gateway's configuration (`bcstack serve coordinator --config`) against the scripted
+    coordinator LLM on `llm_port` and this stub worker on `worker_port`, plus `settings`."""
+    return {
+        "endpoints": [
+            {
+                "name": "scripted",
+                "base_url": f"http://127.0.0.1:{llm_port}/v1",
+                "model": "scripted-coordinator",
+            }
+        ],
+        "workers": [f"127.0.0.1:{worker_port}"],
+        **settings,
+    }

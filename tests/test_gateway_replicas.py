@@ -33,7 +33,7 @@ from stack_util import bcstack_process, bcstack_processes
 from bcstack.front import HaproxyFront
 from bcstack.gateway_client import run_episode
 from bcstack.pgserver import PostgresServer
-from devkit.stubworker import stub_worker
+from devkit.stubworker import gateway_config, stub_worker
 
 REPLICAS = 3
 EPISODES = 2000
@@ -52,17 +52,8 @@ def gateways_on(url: str, tmp_path: Path, n: int, *, log_level: str = "WARNING")
     stub.start()
     llm = f"http://127.0.0.1:{ports['llm']}"
     config = tmp_path / "gateway.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "endpoints": [{"name": "scripted", "base_url": llm + "/v1", "model": "scripted-coordinator"}],
-                "workers": [f"127.0.0.1:{ports['worker']}"],
-                "max_concurrent_episodes": 1024,
-                "claim_lease_seconds": LEASE_SECONDS,
-                "log_level": log_level,
-            }
-        )
-    )
+    settings = {"max_concurrent_episodes": 1024, "claim_lease_seconds": LEASE_SECONDS, "log_level": log_level}
+    config.write_text(yaml.safe_dump(gateway_config(ports["llm"], ports["worker"], **settings)))
     http = [find_free_port() for _ in range(n)]
     specs = [
         (
