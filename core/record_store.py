@@ -326,6 +326,13 @@ class RecordStore(abc.ABC):
         (a new claim, its own, or one whose lease lapsed), else the replica holding it."""
 
     @abc.abstractmethod
+    def claim_or_record(
+        self, episode_id: str, replica: str, lease_seconds: float
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """What a gateway asks of a named id, in one round trip: (its record, None) when recorded;
+        else `claim()`'s answer as (None, None: the caller holds it now | the replica holding it)."""
+
+    @abc.abstractmethod
     def renew(self, episode_ids: Sequence[str], replica: str, lease_seconds: float) -> int:
         """Extend `replica`'s leases on `episode_ids`; how many it still held."""
 
@@ -650,6 +657,14 @@ class SqliteRecordStore(RecordStore):
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             conn.execute("PRAGMA journal_mode=DELETE")
 
+    # Take an id when it is free, the caller's own, or its lease lapsed.
+    _CLAIM = (
+        "INSERT INTO episode_claims (episode_id, replica, lease_until) VALUES (?, ?, ?) "
+        "ON CONFLICT (episode_id) DO UPDATE SET replica = excluded.replica, "
+        "lease_until = excluded.lease_until "
+        "WHERE episode_claims.replica = excluded.replica OR episode_claims.lease_until < ?"
+    )
+
     def claim(self, episode_id: str, replica: str, lease_seconds: float) -> str | None:
         now = time.time()
         with self._wlock:
@@ -657,10 +672,7 @@ class SqliteRecordStore(RecordStore):
             try:
                 with _immediate(conn):
                     conn.execute(
-                        "INSERT INTO episode_claims (episode_id, replica, lease_until) VALUES (?, ?, ?) "
-                        "ON CONFLICT (episode_id) DO UPDATE SET replica = excluded.replica, "
-                        "lease_until = excluded.lease_until "
-                        "WHERE episode_claims.replica = excluded.replica OR episode_claims.lease_until < ?",
+                        self._CLAIM,
                         (episode_id, replica, now + lease_seconds, now),
                     )
                     holder = conn.execute(
@@ -669,6 +681,31 @@ class SqliteRecordStore(RecordStore):
             except sqlite3.Error as exc:
                 raise RecordStoreError(f"cannot claim episode {episode_id} in {self.path}: {exc}") from None
         return None if holder == replica else holder
+
+    def claim_or_record(
+        self, episode_id: str, replica: str, lease_seconds: float
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        now = time.time()
+        with self._wlock:
+            conn = self._write()
+            try:
+                with _immediate(conn):
+                    row = conn.execute(
+                        "SELECT body FROM episodes WHERE episode_id = ?", (episode_id,)
+                    ).fetchone()
+                    if row is None:
+                        conn.execute(
+                            self._CLAIM,
+                            (episode_id, replica, now + lease_seconds, now),
+                        )
+                        holder = conn.execute(
+                            "SELECT replica FROM episode_claims WHERE episode_id = ?", (episode_id,)
+                        ).fetchone()[0]
+            except sqlite3.Error as exc:
+                raise RecordStoreError(f"cannot claim episode {episode_id} in {self.path}: {exc}") from None
+        if row is not None:
+            return self._decode(episode_id, row[0]), None
+        return None, (None if holder == replica else holder)
 
     def renew(self, episode_ids: Sequence[str], replica: str, lease_seconds: float) -> int:
         if not episode_ids:

@@ -331,6 +331,38 @@ class PostgresRecordStore(RecordStore):
         holder = self._run(f"claim episode {episode_id}", claim)
         return None if holder == replica else holder
 
+    def claim_or_record(
+        self, episode_id: str, replica: str, lease_seconds: float
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        # One statement: the record if there is one; else the claim's upsert and, when it took
+        # nothing, who holds it (the statement's snapshot: the row as it was before the upsert).
+        # A record committed while this runs can go unseen and the id be claimed: the run that
+        # follows finds it recorded at its put (RecordExists) and answers the stored one.
+        def ask(conn: psycopg.Connection) -> tuple[Any, Any, Any]:
+            with conn.transaction():
+                return conn.execute(
+                    "WITH recorded AS (SELECT body FROM episodes WHERE episode_id = %(id)s), "
+                    "claimed AS ("
+                    " INSERT INTO episode_claims AS c (episode_id, replica, lease_until)"
+                    " SELECT %(id)s, %(replica)s, clock_timestamp() + make_interval(secs => %(lease)s)"
+                    " WHERE NOT EXISTS (SELECT 1 FROM recorded)"
+                    " ON CONFLICT (episode_id) DO UPDATE SET replica = excluded.replica,"
+                    " lease_until = excluded.lease_until"
+                    " WHERE c.replica = excluded.replica OR c.lease_until < clock_timestamp()"
+                    " RETURNING replica) "
+                    "SELECT (SELECT body FROM recorded), (SELECT replica FROM claimed), "
+                    "(SELECT replica FROM episode_claims WHERE episode_id = %(id)s)",
+                    {"id": episode_id, "replica": replica, "lease": lease_seconds},
+                ).fetchone()
+
+        body, claimed, held = self._run(f"claim episode {episode_id}", ask)
+        if body is not None:
+            return self._decode(episode_id, bytes(body)), None
+        if claimed is not None:
+            return None, None
+        # Held by another replica (or a claim made between the snapshot and the upsert: ask again).
+        return None, held if held not in (None, replica) else "another replica"
+
     def renew(self, episode_ids: Sequence[str], replica: str, lease_seconds: float) -> int:
         if not episode_ids:
             return 0

@@ -194,7 +194,7 @@ def test_postgresql_stopping_mid_run_is_503_and_the_clients_episode_lands_once_i
                 ids = sorted(r[0] for r in conn.execute("SELECT episode_id FROM episodes"))
             assert ids == ["before", "during"]
             log = stack["procs"][0].log()
-            outage = "ERROR bcstack.coordinator: cannot read episode during in record database postgresql://"
+            outage = "ERROR bcstack.coordinator: cannot claim episode during in record database postgresql://"
             assert outage in log
             assert server.password not in log
     finally:

@@ -452,3 +452,16 @@ def test_redact_masks_passwords_in_urls_and_keywords():
     )
     assert redact("host=h password=hunter2 user=u") == "host=h password=*** user=u"
     assert redact("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+def test_claim_or_record_answers_the_record_or_the_claim_in_one_call(target):
+    with open_record_store(target) as store:
+        assert store.claim_or_record("ep", "r1", 30) == (None, None)  # claimed by r1
+        assert store.claim_or_record("ep", "r1", 30) == (None, None)  # its own
+        assert store.claim_or_record("ep", "r2", 30) == (None, "r1")  # held by r1
+        store.put(make_record("ep", answer="42"))
+        record, holder = store.claim_or_record("ep", "r2", 30)
+        assert holder is None and record["answer"] == "42"  # recorded: the record, no claim taken
+        assert store.claim("ep", "r3", 30) is None  # the record's write dropped r1's claim
+        assert store.claim_or_record("lapsed", "r1", -1) == (None, None)
+        assert store.claim_or_record("lapsed", "r2", 30) == (None, None)  # taken over

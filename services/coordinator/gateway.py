@@ -327,53 +327,64 @@ class GatewayCore:
     async def begin(self, request: EpisodeRequest) -> Admission | EpisodeRecord:
         """What a POST does before running an episode: a recorded id answers its record; else an
         admission (a slot reserved; a named id claimed cluster-wide, waiting while another replica
-        runs it). Raises InvalidEpisode, GatewayFull, EpisodeRunning, RecordStoreError."""
-        if request.episode_id is not None:
-            old = await self.stored(request.episode_id)
-            if old is not None:  # a retried request: the recorded result, not a second episode
-                return old
-        admission = self.admit(request)
-        if request.episode_id is None:
-            return admission  # a fresh uuid: no other replica can hold it
-        try:
-            old = await self._claim(admission.episode_id)
-        except BaseException:
-            self._finish(admission.episode_id)
-            raise
-        if old is not None:
-            self._finish(admission.episode_id)
-            return old
-        return admission
-
-    async def _claim(self, episode_id: str) -> EpisodeRecord | None:
-        """Hold the claim on `episode_id` (None), or the record another replica made meanwhile."""
-        delay = 0.05
+        runs it). One round trip to the store per look (`claim_or_record`). Raises InvalidEpisode,
+        GatewayFull, EpisodeRunning, RecordStoreError."""
+        episode_id = request.episode_id
+        if episode_id is None:
+            return self.admit(request)  # a fresh uuid: no other replica can hold it
+        if episode_id in self._running:
+            raise EpisodeRunning(f"episode {episode_id} is running now")
+        admission: Admission | None = None
         waited_for: str | None = None
-        while True:
-            holder = await asyncio.to_thread(self.store.claim, episode_id, self.replica, self.lease_seconds)
-            if holder is None:
-                self._claimed.add(episode_id)
-                # Recorded between our look and our claim (the record's write drops its claim)?
-                old = await self.stored(episode_id)
-                if old is not None:
-                    self._claimed.discard(episode_id)
-                    await asyncio.to_thread(self.store.release, episode_id, self.replica)
-                    return old
-                if waited_for is not None:
-                    log.warning(
-                        "episode %s: the claim of replica %s lapsed unrecorded; running it here",
-                        episode_id,
-                        waited_for,
+        delay = 0.05
+        try:
+            while True:
+                record, holder = await asyncio.to_thread(
+                    self.store.claim_or_record, episode_id, self.replica, self.lease_seconds
+                )
+                if record is not None:  # a retried request: the recorded result, not a second episode
+                    if admission is not None:
+                        self._finish(episode_id)
+                        admission = None
+                    return EpisodeRecord.load(record)
+                if holder is None:  # ours now
+                    try:
+                        admission = admission or self.admit(request)
+                    except BaseException:
+                        await self._release(episode_id)
+                        raise
+                    self._claimed.add(episode_id)
+                    if waited_for is not None:
+                        log.warning(
+                            "episode %s: the claim of replica %s lapsed unrecorded; running it here",
+                            episode_id,
+                            waited_for,
+                        )
+                    return admission
+                admission = admission or self.admit(request)  # a slot held while waiting
+                if waited_for is None:
+                    log.info(
+                        "episode %s is running on replica %s; waiting for its record", episode_id, holder
                     )
-                return None
-            if waited_for is None:
-                log.info("episode %s is running on replica %s; waiting for its record", episode_id, holder)
-            waited_for = holder
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-            old = await self.stored(episode_id)
-            if old is not None:
-                return old
+                waited_for = holder
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        except BaseException:
+            if admission is not None and episode_id not in self._claimed:
+                self._finish(episode_id)
+            raise
+
+    async def _release(self, episode_id: str) -> None:
+        """Drop this replica's claim on an id it will not run (best effort: the lease lapses)."""
+        try:
+            await asyncio.to_thread(self.store.release, episode_id, self.replica)
+        except Exception as exc:  # noqa: BLE001
+            log.warning(
+                "episode %s: cannot release its claim (%s); it lapses in %g s",
+                episode_id,
+                exc,
+                self.lease_seconds,
+            )
 
     async def heartbeat(self) -> None:
         """Renew this replica's claims every third of a lease, for as long as the gateway runs."""
@@ -462,15 +473,7 @@ class GatewayCore:
             return record
         except BaseException:
             if episode_id in self._claimed:  # not recorded: free the id for a retry at once
-                try:
-                    await asyncio.to_thread(self.store.release, episode_id, self.replica)
-                except Exception as exc:  # noqa: BLE001 - the claim lapses on its own
-                    log.warning(
-                        "episode %s: cannot release its claim (%s); it lapses in %g s",
-                        episode_id,
-                        exc,
-                        self.lease_seconds,
-                    )
+                await self._release(episode_id)
             raise
         finally:
             self._finish(episode_id)
