@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from fixtures_pg import pg_server, pg_url  # noqa: F401 (fixtures)
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -117,6 +118,31 @@ def test_one_step_on_stack_records_then_resume(stack: dict[str, Path], tmp_path:
     assert [m["step"] for m in metrics(out)] == [1, 2]
     assert (out / "checkpoints" / "step-00000002").is_dir()
     verify_checkpoint(out / "serving")
+
+
+def test_one_step_from_the_gateways_postgresql_store(
+    stack: dict[str, Path],
+    pg_url: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """`--records postgresql://...`: the records are snapshotted to OUT/records.sqlite, then trained on
+    as from a file; the password never printed."""
+    from core.record_store import SqliteRecordStore, open_record_store
+
+    url = pg_url
+    with SqliteRecordStore(stack["records"]) as source, open_record_store(url) as target:
+        for record in source.iter_records():
+            target.put(record)
+    out = tmp_path / "run"
+    result = grpo("--records", url, "--model", stack["tiny"], "--ref", stack["tiny"], "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "4 record(s) from postgresql://bcstack@127.0.0.1:" in result.stdout
+    password = url.split("://", 1)[1].split("@")[0].split(":")[1]
+    assert password not in result.output
+    [step] = metrics(out)
+    assert step["samples"] == 4 and step["groups"] == 2
+    with SqliteRecordStore(out / "records.sqlite") as snapshot:
+        assert snapshot.count() == 4
 
 
 def test_the_grader_hooks_rewards_decide_which_trajectories_the_step_raises(
