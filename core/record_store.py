@@ -666,38 +666,29 @@ class SqliteRecordStore(RecordStore):
     )
 
     def claim(self, episode_id: str, replica: str, lease_seconds: float) -> str | None:
-        now = time.time()
-        with self._wlock:
-            conn = self._write()
-            try:
-                with _immediate(conn):
-                    conn.execute(
-                        self._CLAIM,
-                        (episode_id, replica, now + lease_seconds, now),
-                    )
-                    holder = conn.execute(
-                        "SELECT replica FROM episode_claims WHERE episode_id = ?", (episode_id,)
-                    ).fetchone()[0]
-            except sqlite3.Error as exc:
-                raise RecordStoreError(f"cannot claim episode {episode_id} in {self.path}: {exc}") from None
-        return None if holder == replica else holder
+        return self._claim(episode_id, replica, lease_seconds, look_first=False)[1]
 
     def claim_or_record(
         self, episode_id: str, replica: str, lease_seconds: float
     ) -> tuple[dict[str, Any] | None, str | None]:
+        return self._claim(episode_id, replica, lease_seconds, look_first=True)
+
+    def _claim(
+        self, episode_id: str, replica: str, lease_seconds: float, *, look_first: bool
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """One transaction: with `look_first` the record when there is one; else the claim's
+        upsert and who holds the id (None: the caller)."""
         now = time.time()
+        row = None
         with self._wlock:
             conn = self._write()
             try:
                 with _immediate(conn):
-                    row = conn.execute(
-                        "SELECT body FROM episodes WHERE episode_id = ?", (episode_id,)
-                    ).fetchone()
+                    if look_first:
+                        found = conn.execute("SELECT body FROM episodes WHERE episode_id = ?", (episode_id,))
+                        row = found.fetchone()
                     if row is None:
-                        conn.execute(
-                            self._CLAIM,
-                            (episode_id, replica, now + lease_seconds, now),
-                        )
+                        conn.execute(self._CLAIM, (episode_id, replica, now + lease_seconds, now))
                         holder = conn.execute(
                             "SELECT replica FROM episode_claims WHERE episode_id = ?", (episode_id,)
                         ).fetchone()[0]
