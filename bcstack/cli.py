@@ -336,24 +336,29 @@ def records_export(
     A plain `cp` of the live file can miss what SQLite still holds in its -wal file; both formats
     are read by `bcstack train` (trainer/data.py).
     """
+    from core.kit.cli import fail
+    from core.record_store import RecordStoreError, is_database_url, open_record_store
+
+    if fmt not in RECORD_FORMATS:
+        fail(f"--format {fmt}: choose {' or '.join(RECORD_FORMATS)}")
+    if not is_database_url(records):
+        _check_record_file(Path(records), out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open_record_store(records) as store:
+            n = store.export(out, fmt=fmt)
+    except (RecordStoreError, OSError) as e:
+        fail(f"--records: {e}")
+    typer.echo(f"{n} record(s) written to {out} ({fmt})")
+
+
+def _check_record_file(records: Path, out: Path) -> None:
+    """A record file exists, is not `out`, and is a record store, checked without changing it."""
     import contextlib
     import sqlite3
 
     from core.kit.cli import fail
-    from core.record_store import RecordStoreError, SqliteRecordStore, is_database_url, open_record_store
 
-    if fmt not in RECORD_FORMATS:
-        fail(f"--format {fmt}: choose {' or '.join(RECORD_FORMATS)}")
-    if is_database_url(records):
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with open_record_store(records) as store:
-                n = store.export(out, fmt=fmt)
-        except (RecordStoreError, OSError) as e:
-            fail(f"--records: {e}")
-        typer.echo(f"{n} record(s) written to {out} ({fmt})")
-        return
-    records = Path(records)
     if not records.is_file():
         fail(f"--records {records}: no such file")
     if out.resolve() == records.resolve():
@@ -373,13 +378,6 @@ def records_export(
         fail(f"--records {records}: cannot read it ({e})")
     if not has_table:
         fail(f"--records {records}: not a record store (no episodes table)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with SqliteRecordStore(records) as store:
-            n = store.export(out, fmt=fmt)
-    except (RecordStoreError, OSError) as e:
-        fail(f"--records {records}: {e}")
-    typer.echo(f"{n} record(s) written to {out} ({fmt})")
 
 
 def _version(value: bool) -> None:
