@@ -1,23 +1,28 @@
 """Benchmark: the record store under a gateway, and gateway replicas on one PostgreSQL (issue 33).
 
     python bench/gateway_scale.py [--writers 256] [--store-seconds 10] [--concurrency 256]
-                                  [--duration 15] [--replicas 1,2,4] [--results FILE] [--dirty-ok]
+                                  [--duration 15] [--replicas 1,2,4] [--disk-iops 1000]
+                                  [--results FILE] [--dirty-ok]
 
 Two parts, each comparing its variants side by side in one run:
 
-1. **Stores** (in this process, no gateway): `--writers` concurrent episodes writing records the
+1. **Stores** (in a child process, no gateway): `--writers` concurrent episodes writing records the
    size of a real one (4 worker trajectories of 3,000 tokens with log-probs, ~70 KiB compressed)
-   and small ones (~0.7 KiB) for
-   `--store-seconds` each: SQLite with one commit per episode (the store before group commit),
-   SQLite with group commit, PostgreSQL with one commit per episode, PostgreSQL with group commit.
+   and small ones (~0.7 KiB) for `--store-seconds` each: SQLite with one commit per episode (the
+   store before group commit, SQLite's own checkpoints), SQLite with group commit (and its
+   background checkpointer), PostgreSQL with one commit per episode, PostgreSQL with group commit.
    Episodes stored per second, the write latency (put to durable) p50/p99 of raw samples, and
-   episodes per commit; ratios against the first.
+   episodes per commit; ratios against the first. All of it twice: on this machine's disk, and on
+   it with its write operations capped at `--disk-iops` per second (a blkio cgroup holding the
+   child and its own PostgreSQL server: a network volume's ~1 ms per write, which a virtual disk
+   whose host caches writes does not have).
 2. **Gateways** (real processes: `bcstack serve coordinator` replicas, the scripted coordinator LLM,
    the instant stub worker of `devkit.stubworker`, Debian's PostgreSQL, HAProxy in front of several
    replicas): `--concurrency` closed-loop clients for `--duration` seconds, the same episode mix:
    one gateway on SQLite, one on PostgreSQL, then 1, 2 and 4 replicas on PostgreSQL behind HAProxy.
    Episodes/s, client latency p50/p99, every gateway process's CPU (user + system from /proc) per
-   coordinator turn, and that CPU relative to one replica's.
+   coordinator turn, that CPU relative to one replica's, the gateways' context switches per turn
+   and a replica's CPU when idle.
 
 All processes share this machine's cores (2 here): more replicas cannot add cores, so what this box
 shows for replicas is the CPU each episode costs (the goal: N replicas <= 1.1x one replica's), not
@@ -142,6 +147,101 @@ def fsync_us(folder: Path, n: int = 500) -> float:
         path.unlink()
 
 
+def blkio_cgroup(folder: Path, iops: int) -> Path:
+    """A cgroup that caps write operations per second on the disk holding `folder` (Linux blkio
+    throttling, cgroup v1 `blkio.throttle.write_iops_device` or v2 `io.max`): the way to give this
+    machine's fast disk a network volume's commit cost without a cloud. Needs root; raises OSError
+    saying why when the kernel or the permissions do not allow it."""
+    dev = os.stat(folder).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    sysdev = Path(f"/sys/dev/block/{major}:{minor}")
+    if (sysdev / "partition").exists():  # throttling applies to whole disks, not partitions
+        major, minor = (int(x) for x in (sysdev.resolve().parent / "dev").read_text().split(":"))
+    name = f"bcstack-bench-{os.getpid()}-{iops}"
+    v1 = Path("/sys/fs/cgroup/blkio")
+    if (v1 / "blkio.throttle.write_iops_device").exists():
+        group = v1 / name
+        group.mkdir(exist_ok=True)
+        (group / "blkio.throttle.write_iops_device").write_text(f"{major}:{minor} {iops}")
+        return group
+    v2 = Path("/sys/fs/cgroup")
+    if "io" in (v2 / "cgroup.controllers").read_text().split():
+        group = v2 / name
+        group.mkdir(exist_ok=True)
+        (group / "io.max").write_text(f"{major}:{minor} wiops={iops}")
+        return group
+    raise OSError("no blkio (cgroup v1) or io (cgroup v2) controller to throttle the disk with")
+
+
+def store_part(folder: Path, disk: str, group: Path | None, writers: int, seconds: float) -> dict:
+    """Part 1 in a child process (the bench's pool): every store variant, both record sizes, on this
+    disk or, joining the cgroup `group`, on it with its write IOPS capped; a PostgreSQL server of
+    its own is started from inside, so that its writes are capped too."""
+    if group is not None:
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    folder.mkdir(parents=True)
+    os.chmod(folder, 0o755)  # the PostgreSQL server runs as 'postgres' when this runs as root
+    out: dict = {"stores": []}
+    out["fsync_us"] = fsync_us(folder)
+    print(f"  {disk}: {out['fsync_us']:.0f} us per 8 KiB write + fsync", flush=True)
+    server = PostgresServer(folder / "postgres", port=free_port())
+    server.start()
+    try:
+        databases = iter(range(100))
+        rng = random.Random(0)
+        for size, tokens in (("real-sized", 3000), ("small", 16)):
+            records = [episode_record(f"ep{i}", rng, tokens) for i in range(64)]
+            kib = sum(len(RecordStore.encode(r).body) for r in records) / len(records) / 1024
+            for name, kind, group_commit in STORE_VARIANTS:
+                target = (
+                    str(folder / f"{size}-{kind}-{group_commit}.sqlite")
+                    if kind == "sqlite"
+                    else new_database(server, f"store{next(databases)}")
+                )
+                run = store_run(target, group_commit, writers, seconds, records)
+                run.update(variant=name, record=f"{size} ({kib:.1f} KiB compressed)", disk=disk)
+                out["stores"].append(run)
+                print(
+                    f"  {disk}, {size}, {name}: {run['per_s']:.0f} episodes/s, "
+                    f"p50 {run['latency']['p50_ms']:.1f} ms, p99 {run['latency']['p99_ms']:.1f} ms, "
+                    f"{run['per_commit']:.1f} per commit",
+                    flush=True,
+                )
+    finally:
+        server.stop(mode="fast")
+    return out
+
+
+def new_database(server: PostgresServer, name: str) -> str:
+    """A fresh database on `server`; its URL."""
+    import psycopg
+
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return server.url.rsplit("/", 1)[0] + "/" + name
+
+
+STORE_VARIANTS = (
+    ("SQLite, a commit per episode", "sqlite", False),
+    ("SQLite, group commit", "sqlite", True),
+    ("PostgreSQL, a commit per episode", "postgres", False),
+    ("PostgreSQL, group commit", "postgres", True),
+)
+
+
+IDLE_SECONDS = 3.0  # each replica's CPU with nothing to do, before the warm-up
+
+
+def context_switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of a process's main thread so far (Linux /proc):
+    voluntary ones are its event loop going to sleep for want of work, involuntary ones the kernel
+    taking the core away for another process."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    return int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"])
+
+
 def start_gateway(work: Path, name: str, ports: dict, records: dict[str, str], concurrency: int) -> dict:
     config = gateway_config(
         ports["llm"], ports["worker"], max_concurrent_episodes=concurrency * 2, log_level="WARNING"
@@ -193,13 +293,24 @@ def gateway_run(
             )
             front.start()
             url = front.url
+        idle0 = [cpu_seconds(g["proc"].pid) for g in gateways]
+        time.sleep(IDLE_SECONDS)
+        idle = [cpu_seconds(g["proc"].pid) - c for g, c in zip(gateways, idle0, strict=True)]
         asyncio.run(drive(url, args.concurrency, 2.0, named=named))  # warm-up: connections, pools, records
         cpu0 = [cpu_seconds(g["proc"].pid) for g in gateways]
+        switches0 = [context_switches(g["proc"].pid) for g in gateways]
         run = asyncio.run(drive(url, args.concurrency, args.duration, named=named))
         cpu1 = [cpu_seconds(g["proc"].pid) for g in gateways]
+        switches1 = [context_switches(g["proc"].pid) for g in gateways]
         run.pop("episode_ids")
+        turns = max(run["turns"], 1)
         run["gateway_cpu_s"] = sum(b - a for a, b in zip(cpu0, cpu1, strict=True))
-        run["cpu_ms_per_turn"] = run["gateway_cpu_s"] * 1e3 / max(run["turns"], 1)
+        run["cpu_ms_per_turn"] = run["gateway_cpu_s"] * 1e3 / turns
+        run["idle_cpu_percent"] = max(idle) / IDLE_SECONDS * 100  # the busiest idle replica
+        for i, kind in enumerate(("voluntary", "involuntary")):
+            run[f"{kind}_switches_per_turn"] = (
+                sum(b[i] - a[i] for a, b in zip(switches0, switches1, strict=True)) / turns
+            )
         return run
     finally:
         if front is not None:
@@ -214,6 +325,11 @@ def main() -> None:
     )
     parser.add_argument("--writers", type=int, default=256, help="concurrent episodes writing, part 1")
     parser.add_argument("--store-seconds", type=float, default=10.0, help="seconds per store variant")
+    parser.add_argument(
+        "--disk-iops", type=int, default=1000,
+        help="part 1 again with the disk's write IOPS capped at this (a network volume; needs root and "
+        "cgroup blkio throttling; 0 skips it)",
+    )  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=256, help="episodes in flight, part 2")
     parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per gateway variant")
     parser.add_argument("--replicas", default="1,2,4", help="gateway replicas on PostgreSQL")
@@ -241,40 +357,29 @@ def main() -> None:
     stub.start()
     databases = iter(range(100))
 
-    def new_database() -> str:
-        import psycopg
-
-        name = f"bench{next(databases)}"
-        with psycopg.connect(server.url, autocommit=True) as conn:
-            conn.execute(f"CREATE DATABASE {name}")
-        return server.url.rsplit("/", 1)[0] + "/" + name
-
-    raw: dict = {"stores": [], "gateways": []}
+    raw: dict = {"stores": [], "gateways": [], "disks": []}
     try:
-        # --- part 1: stores -------------------------------------------------------------------
-        rng = random.Random(0)
-        raw["fsync_us"] = fsync_us(work)
-        print(f"  this disk: {raw['fsync_us']:.0f} us per 8 KiB write + fsync", flush=True)
-        for size, tokens in (("real-sized", 3000), ("small", 16)):
-            records = [episode_record(f"ep{i}", rng, tokens) for i in range(64)]
-            kib = sum(len(RecordStore.encode(r).body) for r in records) / len(records) / 1024
-            for name, kind, group in (
-                ("SQLite, a commit per episode", "sqlite", False),
-                ("SQLite, group commit", "sqlite", True),
-                ("PostgreSQL, a commit per episode", "postgres", False),
-                ("PostgreSQL, group commit", "postgres", True),
-            ):
-                target = (
-                    str(work / f"{size}-{name[:6]}-{group}.sqlite") if kind == "sqlite" else new_database()
+        # --- part 1: stores, on this disk and on it capped to a network volume's write IOPS --------
+        disks = [("this disk", None)]
+        if args.disk_iops:
+            disks.append((f"this disk at {args.disk_iops} write IOPS", args.disk_iops))
+        for disk, iops in disks:
+            group = None
+            if iops:
+                try:
+                    group = blkio_cgroup(work, iops)
+                except OSError as exc:
+                    print(f"  {disk}: skipped ({exc})", flush=True)
+                    raw["disks"].append({"disk": disk, "iops": iops, "skipped": str(exc)})
+                    continue
+            with spawn.Pool(1) as pool:  # a child process, so that it alone joins the cgroup
+                result = pool.apply(
+                    store_part, (work / f"stores-{iops or 0}", disk, group, args.writers, args.store_seconds)
                 )
-                run = store_run(target, group, args.writers, args.store_seconds, records)
-                run.update(variant=name, record=f"{size} ({kib:.1f} KiB compressed)")
-                raw["stores"].append(run)
-                print(
-                    f"  {size} {name}: {run['per_s']:.0f} episodes/s, p50 {run['latency']['p50_ms']:.1f} ms, "
-                    f"p99 {run['latency']['p99_ms']:.1f} ms, {run['per_commit']:.1f} per commit",
-                    flush=True,
-                )
+            if group is not None:
+                group.rmdir()
+            raw["disks"].append({"disk": disk, "iops": iops, "fsync_us": result["fsync_us"]})
+            raw["stores"] += result["stores"]
 
         # --- part 2: gateways -----------------------------------------------------------------
         llm_log = (work / "llm.log").open("w")
@@ -293,14 +398,18 @@ def main() -> None:
             sqlite_gateway = ("1 gateway, SQLite", 1, sqlite_env)
             variants = [] if args.stores_only else [sqlite_gateway]
             variants += [
-                (f"{n} gateway(s), PostgreSQL", n, {"BCSTACK_COORDINATOR_RECORDS_URL": new_database()})
+                (
+                    f"{n} gateway(s), PostgreSQL",
+                    n,
+                    {"BCSTACK_COORDINATOR_RECORDS_URL": new_database(server, f"bench{next(databases)}")},
+                )
                 for n in ([] if args.stores_only else replicas)
             ]
             variants += [
                 (
                     f"{n} gateway(s), PostgreSQL, named ids",
                     n,
-                    {"BCSTACK_COORDINATOR_RECORDS_URL": new_database()},
+                    {"BCSTACK_COORDINATOR_RECORDS_URL": new_database(server, f"bench{next(databases)}")},
                 )
                 for n in ([] if args.stores_only else named_replicas)
             ]
@@ -320,11 +429,11 @@ def main() -> None:
         server.stop(mode="fast")
         shutil.rmtree(work, ignore_errors=True)
 
-    base = {r["record"]: r["per_s"] for r in reversed(raw["stores"]) if "SQLite, a commit" in r["variant"]}
+    base = {(r["disk"], r["record"]): r["per_s"] for r in raw["stores"] if "SQLite, a commit" in r["variant"]}
     store_rows = [
         [
-            r["record"], r["variant"], r["stored"], round(r["seconds"], 1), round(r["per_s"], 1),
-            round(r["per_s"] / base[r["record"]], 2),
+            r["disk"], r["record"], r["variant"], r["stored"], round(r["seconds"], 1), round(r["per_s"], 1),
+            round(r["per_s"] / base[r["disk"], r["record"]], 2),
             round(r["latency"]["p50_ms"], 1), round(r["latency"]["p99_ms"], 1), round(r["per_commit"], 1),
         ]
         for r in raw["stores"]
@@ -336,6 +445,8 @@ def main() -> None:
             round(r["episodes"] / r["seconds"], 1), round(r["latency"]["p50_ms"], 0),
             round(r["latency"]["p99_ms"], 0), round(r["cpu_ms_per_turn"], 2),
             round(r["cpu_ms_per_turn"] / one["cpu_ms_per_turn"], 2) if one else "",
+            round(r["voluntary_switches_per_turn"], 2), round(r["involuntary_switches_per_turn"], 2),
+            round(r["idle_cpu_percent"], 2),
         ]
         for r in raw["gateways"]
     ]  # fmt: skip
@@ -343,6 +454,7 @@ def main() -> None:
         Table(
             f"Record stores: {args.writers} concurrent writers, {args.store_seconds:g} s each",
             [
+                "disk",
                 "record",
                 "variant",
                 "stored",
@@ -356,11 +468,22 @@ def main() -> None:
             store_rows,
             notes=[
                 "Goals: group commit >= 5x a commit per episode; PostgreSQL >= 1,000 episodes/s stored.",
-                f"This disk: {raw['fsync_us']:.0f} us per 8 KiB write + fsync (a virtual disk whose host "
-                "caches writes; a cluster's network volume takes ~1-5 ms, where a commit per episode "
-                "caps a store at a few hundred episodes/s and group commit's one fsync per batch is "
-                "what matters). Writers: coroutines on one event loop awaiting put_async's commit, as "
-                "the gateway does.",
+                "Disks: "
+                + "; ".join(
+                    f"{d['disk']}: "
+                    + (
+                        f"skipped ({d['skipped']})"
+                        if d.get("skipped")
+                        else f"{d['fsync_us']:.0f} us per 8 KiB write + fsync"
+                    )
+                    for d in raw["disks"]
+                )
+                + ". This machine's disk is a virtual disk whose host caches writes; a cluster's network "
+                "volume takes ~1 ms per write operation, which the capped disk (a blkio cgroup holding "
+                "the writers and their PostgreSQL server) stands for: there a commit per episode caps "
+                "a store at a few hundred episodes/s, and group commit's one fsync per batch is what "
+                "matters. Writers: coroutines on one event loop awaiting put_async's commit, as the "
+                "gateway does; ratios are against SQLite's commit per episode on the same disk.",
             ],
         ),  # fmt: skip
         Table(
@@ -376,12 +499,18 @@ def main() -> None:
                 "p99 ms",
                 "gateway CPU ms/turn",
                 "x 1 PostgreSQL replica",
+                "sleeps/turn",
+                "preemptions/turn",
+                "idle CPU % of a core",
             ],
             gateway_rows,
             notes=[
                 "Goal: CPU per turn with N replicas <= 1.1x one replica's. On 2 cores every process "
                 "(gateways, HAProxy, the LLM, the worker, PostgreSQL, this client) shares the same cores, "
-                "so episodes/s cannot grow with replicas here; the CPU per turn says what a replica costs."
+                "so episodes/s cannot grow with replicas here; the CPU per turn says what a replica costs. "
+                "Sleeps and preemptions are the gateways' main-thread context switches per turn (voluntary: "
+                "an event loop waiting for work; involuntary: the kernel giving the core to another "
+                "process); idle CPU is the busiest replica's with no episodes, before the warm-up."
             ],
         ),  # fmt: skip
     ]

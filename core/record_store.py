@@ -61,6 +61,9 @@ BUSY_TIMEOUT_SECONDS = 30.0
 COMPRESSION_LEVEL = 6
 # The most episodes one group commit writes (bounds one transaction's size and latency).
 MAX_BATCH = 512
+# SQLite: a background checkpoint starts once this much has been written since the last one, and
+# writers wait for it once four times as much is pending (the WAL's bound on disk).
+CHECKPOINT_BYTES = 16 << 20
 
 # What `search()` returns per record.
 ROW_FIELDS = (
@@ -481,9 +484,25 @@ def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
 class SqliteRecordStore(RecordStore):
     """Durable episode records in one SQLite file (WAL, synchronous=FULL: a commit is fsynced before
     put() returns). Thread-safe. Writes (group commits, claims) share one connection behind a lock;
-    reads use another, so a reader never waits for a commit (WAL)."""
+    reads use another, so a reader never waits for a commit (WAL).
 
-    def __init__(self, path: Path, *, group_commit: bool = True, max_batch: int = MAX_BATCH) -> None:
+    Checkpoints (copying the WAL into the database file) run in a thread of their own on a third
+    connection (`PRAGMA wal_checkpoint(PASSIVE)`, which takes no write lock), started once
+    `checkpoint_bytes` have been written, instead of SQLite's automatic checkpoint inside the commit
+    that crosses 1,000 pages: that one holds the write lock while it writes the pages back, and on a
+    disk with few write operations per second (a network volume) the commits queue behind it
+    (bench/gateway_scale.py measures both). Writers wait once four times `checkpoint_bytes` are
+    pending, so the WAL stays bounded. `checkpoint_bytes=0` (and group_commit=False, the store as it
+    was before group commit, the benchmark's baseline) leaves checkpoints to SQLite."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        group_commit: bool = True,
+        max_batch: int = MAX_BATCH,
+        checkpoint_bytes: int = CHECKPOINT_BYTES,
+    ) -> None:
         super().__init__(group_commit=group_commit, max_batch=max_batch)
         self.path = Path(path)
         self.location = str(self.path)
@@ -491,6 +510,14 @@ class SqliteRecordStore(RecordStore):
         self._wlock = threading.Lock()  # the write connection
         self._conn: sqlite3.Connection | None = None
         self._wconn: sqlite3.Connection | None = None
+        self.checkpoint_bytes = checkpoint_bytes if group_commit else 0
+        self.checkpoints = 0  # background checkpoints run
+        self._pending = 0  # bytes written since the last background checkpoint began
+        self._wal_full = False  # a checkpoint found the WAL past its bound: the writer parks
+        self._parked = False  # the writer is parked, between transactions
+        self._ckpt = threading.Condition()
+        self._ckpt_thread: threading.Thread | None = None
+        self._ckpt_stop = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -518,7 +545,77 @@ class SqliteRecordStore(RecordStore):
             raise RecordStoreError(f"cannot open record file {self.path}: {exc}") from None
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
+        if self.checkpoint_bytes:
+            conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread's job (class docstring)
         return conn
+
+    def _written(self, nbytes: int) -> None:
+        """The writer thread, after a commit of about `nbytes`: wake the checkpointer once
+        `checkpoint_bytes` are pending; park while it has found the WAL past four times that."""
+        if not self.checkpoint_bytes:
+            return
+        with self._ckpt:
+            self._pending += nbytes
+            if self._pending >= self.checkpoint_bytes:
+                if self._ckpt_thread is None:
+                    self._ckpt_thread = threading.Thread(
+                        target=self._checkpoint_loop, name="record-checkpointer", daemon=True
+                    )
+                    self._ckpt_thread.start()
+                self._ckpt.notify_all()
+            while self._wal_full and not self._ckpt_stop:
+                self._parked = True
+                self._ckpt.notify_all()
+                self._ckpt.wait()
+            self._parked = False
+
+    def _checkpoint_loop(self) -> None:
+        # A PASSIVE checkpoint copies the frames committed before it began while commits go on adding
+        # more. SQLite rewinds the WAL (its file is kept and written over) only at a transaction that
+        # begins with every frame copied, which a busy writer, always inside one, never does. So once
+        # a checkpoint finds the WAL past four times the threshold, the writer parks after its next
+        # commit, a checkpoint runs with no transaction open, and its next one rewinds the WAL. Should
+        # a reader's snapshot keep the checkpoint from finishing for a second, the writer goes on.
+        conn = self._connect()
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        tries = 0
+        try:
+            while True:
+                with self._ckpt:
+                    while (
+                        self._pending < self.checkpoint_bytes and not self._wal_full and not self._ckpt_stop
+                    ):
+                        self._ckpt.wait()
+                    while self._wal_full and not self._parked and not self._ckpt_stop:
+                        self._ckpt.wait()
+                    if self._ckpt_stop:
+                        return
+                    self._pending = 0
+                try:
+                    _, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                except sqlite3.Error:
+                    frames, copied = 1, 0  # busy or failing: as if a reader held it
+                self.checkpoints += 1
+                with self._ckpt:
+                    if not self._wal_full:
+                        self._wal_full = frames * page >= 4 * self.checkpoint_bytes
+                        tries = 0
+                    elif frames == copied or tries >= 100:
+                        self._wal_full = False
+                        self._ckpt.notify_all()
+                    else:
+                        tries += 1
+                if tries:
+                    time.sleep(0.01)
+        finally:
+            conn.close()
+
+    def _stop_checkpointer(self) -> None:
+        with self._ckpt:
+            self._ckpt_stop = True
+            self._ckpt.notify_all()
+        if self._ckpt_thread is not None:
+            self._ckpt_thread.join()
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
         # BEGIN IMMEDIATE: two processes opening a new file at once create the schema only once.
@@ -623,6 +720,7 @@ class SqliteRecordStore(RecordStore):
                     )
             except sqlite3.Error as exc:
                 raise RecordStoreError(f"cannot write {len(rows)} episode(s) to {self.path}: {exc}") from None
+        self._written(sum(len(row.body) for row in fresh))
         return result
 
     @staticmethod
@@ -818,6 +916,7 @@ class SqliteRecordStore(RecordStore):
             raise RecordStoreError(f"cannot read record file {self.path}: {exc}") from None
 
     def _close(self) -> None:
+        self._stop_checkpointer()
         with self._lock, self._wlock:
             for conn in (self._conn, self._wconn):
                 if conn is not None:

@@ -198,6 +198,38 @@ def test_sixteen_threads_put_and_read_concurrently(target):
     store.close()
 
 
+def test_sqlite_checkpoints_in_the_background_and_keeps_its_wal_bounded(tmp_path):
+    """Group commit leaves SQLite's in-commit checkpoint off and copies the WAL back from a thread
+    of its own; writers that outrun it wait, so the WAL file (whose size is its high-water mark)
+    stays within a few times the threshold however much is written (without the parking a busy
+    writer never lets SQLite rewind it, and it grows by everything written)."""
+    path = tmp_path / "r.sqlite"
+    threshold = 256 << 10
+    store = SqliteRecordStore(path, checkpoint_bytes=threshold)
+    noise = os.urandom(6000).hex()  # ~6 KiB that zlib cannot shrink below ~6 KiB
+
+    def writer(thread: int) -> None:
+        for i in range(120):
+            store.put(make_record(f"t{thread}-{i}", blob=noise[i:] + str(thread)))
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    written = sum(len(zlib.compress(noise.encode())) for _ in range(16 * 120))
+    wal = path.with_name(path.name + "-wal").stat().st_size
+    assert store.count() == 16 * 120
+    assert store.checkpoints >= 5
+    assert written > 12 << 20 and wal < 16 * threshold, (written, wal)
+    assert sqlite3.connect(path).execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000  # a reader's own
+    store.close()
+    # A commit per episode (the store before group commit) leaves checkpoints to SQLite.
+    with SqliteRecordStore(tmp_path / "b.sqlite", group_commit=False) as plain:
+        plain.put(make_record("ep"))
+        assert plain.checkpoint_bytes == 0 and plain.checkpoints == 0
+
+
 def test_a_corrupt_file_is_a_clear_error_naming_it(tmp_path):
     path = tmp_path / "records.sqlite"
     path.write_bytes(os.urandom(8192))
