@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from bcstack import __version__, episodes_cli, reload_cli
+from bcstack import __version__, episodes_cli, fetch, reload_cli
 from bcstack.evaluation.cli import app as eval_app
 from bcstack.rl import cli as rl_cli
 from bcstack.rl import report as rl_report
@@ -71,6 +71,7 @@ train_app.command("distill")(trainer_cli.distill)
 app.add_typer(train_app, name="train")
 checkpoint_app = typer.Typer(help="Serving-format checkpoints.", no_args_is_help=True)
 checkpoint_app.command("verify")(trainer_cli.verify)
+checkpoint_app.command("fetch")(fetch.command)
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(reload_cli.app, name="worker", help="Operate running workers: rolling and canary hot reloads.")
 app.add_typer(

@@ -63,6 +63,11 @@ CRD_KINDS = {
 }
 
 SEVERITY_ERROR = 3
+
+# The lightest component (the judge on its rule backend: no key, no GPU). A release with no component
+# enabled is refused (templates/_helpers.tpl, bcstack.requireComponent), so tests of what every
+# release shares (names, labels, images, the admin token, alerts, dashboards) render with this one.
+ONE_COMPONENT: dict[str, Any] = {"judge": {"enabled": True}}
 _NOTES = "NOTES.txt"
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -332,7 +337,8 @@ def effective_values(component: str, values: Mapping[str, Any] | None = None) ->
     """`.Values.<component>` as the templates see it: values.yaml merged with `values` by Helm."""
     template = f"zz-{component}-values.yaml"
     dump = f"{{{{ toJson .Values.{component} }}}}"
-    rendered = render_templates(values, extra_templates={template: dump})
+    base = {"retrieval": {"enabled": True}} if component == "judge" else ONE_COMPONENT
+    rendered = render_templates({**base, **(values or {})}, extra_templates={template: dump})
     return json.loads(next(text for path, text in rendered.items() if path.endswith(template)))
 
 
@@ -414,3 +420,13 @@ def assert_pod_disruption_budget(
     pod_labels = find(manifests, "Deployment", workload)["spec"]["template"]["metadata"]["labels"]
     selector = pdb["spec"]["selector"]["matchLabels"]
     assert selects(selector, pod_labels), f"PDB {workload} selects {selector}, its pods have {pod_labels}"
+
+
+_COMPONENT_KEYS = ("retrieval", "worker", "coordinator", "judge", "trainer")
+
+
+def assert_adds_nothing(values: Mapping[str, Any], base: Mapping[str, Any] = ONE_COMPONENT) -> None:
+    """The components in `values` (disabled, however configured) render no object: `base` with
+    `values` renders what `base` with `values` less those components does."""
+    others = {k: v for k, v in values.items() if k not in _COMPONENT_KEYS}
+    assert kinds(render_chart({**base, **values})) == kinds(render_chart({**base, **others}))

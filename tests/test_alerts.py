@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helm_harness import chart_defaults, render_chart, validate_manifests
+from helm_harness import ONE_COMPONENT, chart_defaults, render_chart, validate_manifests
 
 ALERT_TESTS = Path(__file__).parent / "alerts" / "bcstack_test.yaml"
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -31,7 +31,8 @@ def promtool() -> str:
 
 
 def prometheus_rule(values: dict[str, Any] | None = None) -> dict[str, Any]:
-    rendered = render_chart({"metrics": {"prometheusRule": {"enabled": True, **(values or {})}}})
+    rule = {"prometheusRule": {"enabled": True, **(values or {})}}
+    rendered = render_chart({**ONE_COMPONENT, "metrics": rule})
     rules = [o for o in rendered if o["kind"] == "PrometheusRule"]
     assert len(rules) == 1, [o["kind"] for o in rendered]
     return rules[0]
@@ -61,10 +62,10 @@ def test_off_by_default_offline_and_on_when_asked():
     # enabled: null renders the rule only where the cluster serves the Operator's CRD; the offline
     # render has no such API, so nothing is rendered there.
     assert chart_defaults("metrics")["prometheusRule"]["enabled"] is None
-    assert not [o for o in render_chart({}) if o["kind"] == "PrometheusRule"]
+    assert not [o for o in render_chart(ONE_COMPONENT) if o["kind"] == "PrometheusRule"]
     assert not [
         o
-        for o in render_chart({"metrics": {"prometheusRule": {"enabled": False}}})
+        for o in render_chart({**ONE_COMPONENT, "metrics": {"prometheusRule": {"enabled": False}}})
         if o["kind"] == "PrometheusRule"
     ]
     rule = prometheus_rule({"labels": {"release": "kube-prometheus"}})

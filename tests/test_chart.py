@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 import yaml
 from helm_harness import (
     CHART_DIR,
+    ONE_COMPONENT,
     ManifestInvalidError,
     assert_values_rejected,
     find,
@@ -32,7 +34,7 @@ STANDARD_LABELS = {
 COMPONENTS = ("retrieval", "worker", "coordinator", "judge", "trainer")
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
-    "defaults": {},
+    "defaults": ONE_COMPONENT,
     "optional-on": {
         "serviceAccount": {"create": True, "name": "bc-runner", "annotations": {"iam/role": "r"}},
         "adminToken": {"create": True, "value": "s3cr3t-from-set"},
@@ -47,8 +49,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         **{component: {"enabled": True} for component in COMPONENTS},
         "trainer": {"enabled": True, "records": {"existingClaim": "episode-records"}},
     },
-    "existing-secret": {"adminToken": {"existingSecret": "bc-admin", "key": "token"}},
-    "no-service-account": {"serviceAccount": {"create": False}},
+    "existing-secret": {**ONE_COMPONENT, "adminToken": {"existingSecret": "bc-admin", "key": "token"}},
+    "no-service-account": {**ONE_COMPONENT, "serviceAccount": {"create": False}},
 }
 
 # What a later component template looks like: every shared helper and security default in one
@@ -82,7 +84,9 @@ spec:
 
 
 def _probe_pod(values: dict[str, Any] | None = None, release: str = "bc") -> dict[str, Any]:
-    manifests = render_chart(values, release, extra_templates={"probe.yaml": POD_USING_HELPERS})
+    manifests = render_chart(
+        {**ONE_COMPONENT, **(values or {})}, release, extra_templates={"probe.yaml": POD_USING_HELPERS}
+    )
     validate_manifests(manifests)
     (probe,) = [m for m in manifests if m["kind"] == "Pod" and m["metadata"]["name"].endswith("-probe")]
     return probe  # (the chart's own Pod is the `helm test` smoke pod)
@@ -117,12 +121,22 @@ def test_renders_valid_labelled_objects_and_lints_clean(values: dict[str, Any]) 
     assert all(m["severity"] < 3 for m in messages)
 
 
-def test_defaults_create_service_account_and_common_config_only() -> None:
-    manifests = render_chart()
-    assert kinds(manifests) == [
-        ("ConfigMap", "bc-bcstack-common"),
-        ("ServiceAccount", "bc-bcstack"),
-    ]
+def test_a_bare_install_fails_in_one_line_naming_presets_that_exist() -> None:
+    with pytest.raises(helm.HelmRenderError) as err:
+        render_chart()
+    message = str(err.value).split("execution error at (bcstack/templates/configmap.yaml:1:4): ", 1)[1]
+    assert "\n" not in message.strip()
+    assert message.startswith("bcstack: no component is enabled, so this would install nothing")
+    presets = re.findall(r"presets/([\w-]+\.yaml)", message)
+    assert presets, message
+    for name in presets:
+        assert (CHART_DIR / "presets" / name).is_file(), name
+    assert "--set retrieval.enabled=true" in message
+
+
+def test_one_component_adds_service_account_and_common_config() -> None:
+    manifests = render_chart(ONE_COMPONENT)
+    assert {("ConfigMap", "bc-bcstack-common"), ("ServiceAccount", "bc-bcstack")} <= set(kinds(manifests))
     assert find(manifests, "ServiceAccount")["automountServiceAccountToken"] is False
     assert find(manifests, "ConfigMap", "bc-bcstack-common")["data"] == {
         "BCSTACK_LOG_LEVEL": "INFO",
@@ -201,7 +215,7 @@ def test_existing_secret_is_referenced_not_created() -> None:
 
 def test_no_admin_token_means_no_token_env() -> None:
     assert "BCSTACK_ADMIN_TOKEN" not in _env(_probe_pod())
-    assert "answer 403" in render_notes()
+    assert "answer 403" in render_notes(ONE_COMPONENT)
     assert "Secret bc-bcstack-admin-token" in render_notes(VALUE_SETS["optional-on"])
 
 
@@ -228,7 +242,7 @@ def test_image_reference(image: dict[str, str], expected: str) -> None:
     ],
 )
 def test_fullname(values: dict[str, Any], release: str, expected: str) -> None:
-    manifests = render_chart(values, release)
+    manifests = render_chart({**ONE_COMPONENT, **values}, release)
     assert find(manifests, "ServiceAccount")["metadata"]["name"] == expected
     assert all(len(m["metadata"]["name"]) <= 63 for m in manifests)
     validate_manifests(manifests)
@@ -265,16 +279,18 @@ def test_admin_token_create_needs_a_value() -> None:
     with pytest.raises(
         helm.HelmRenderError, match=r"adminToken.create is true but adminToken.value is empty"
     ):
-        render_chart({"adminToken": {"create": True}})
+        render_chart({**ONE_COMPONENT, "adminToken": {"create": True}})
 
 
 def test_admin_token_existing_secret_and_create_conflict() -> None:
     with pytest.raises(helm.HelmRenderError, match="set either existingSecret or create, not both"):
-        render_chart({"adminToken": {"create": True, "value": "x", "existingSecret": "bc-admin"}})
+        render_chart(
+            {**ONE_COMPONENT, "adminToken": {"create": True, "value": "x", "existingSecret": "bc-admin"}}
+        )
 
 
 def test_validate_manifests_catches_what_the_api_server_rejects() -> None:
-    good = find(render_chart(), "ConfigMap")
+    good = find(render_chart(ONE_COMPONENT), "ConfigMap", "bc-bcstack-common")
     unknown_field = {**good, "spec": {}}
     wrong_type = {**good, "data": {"BCSTACK_LOG_LEVEL": 1}}
     bad_name = {**good, "metadata": {**good["metadata"], "name": "Bad_Name"}}

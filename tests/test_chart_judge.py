@@ -16,6 +16,7 @@ import pytest
 from helm_harness import (
     CHART_DIR,
     all_containers,
+    assert_adds_nothing,
     assert_values_rejected,
     chart_defaults,
     default_paths,
@@ -193,10 +194,7 @@ def test_judge_objects(defaults: list[dict[str, Any]], custom: list[dict[str, An
 def test_disabled_judge_renders_nothing() -> None:
     values = {"judge": {**VALUE_SETS["custom"]["judge"], "enabled": False}}
     values["metrics"] = {"serviceMonitor": {"enabled": True}}
-    assert kinds(render_chart(values)) == [
-        ("ConfigMap", "bc-bcstack-common"),
-        ("ServiceAccount", "bc-bcstack"),
-    ]
+    assert_adds_nothing(values, base={"retrieval": {"enabled": True}})
 
 
 # --- the env: JudgeSettings ---------------------------------------------------------------------
@@ -499,7 +497,7 @@ def test_notes_describe_the_judge() -> None:
     assert "localhost:9005/v1/grade" in notes
     assert "rule-based" in render_notes(VALUE_SETS["defaults"])
     assert "an emptyDir" in render_notes(VALUE_SETS["no-persistence"])
-    assert "Judge:" not in render_notes()
+    assert "Judge:" not in render_notes({"retrieval": {"enabled": True}})
 
 
 # --- docker/judge.Dockerfile ----------------------------------------------------------------------

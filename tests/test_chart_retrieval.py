@@ -14,7 +14,9 @@ import helm_python as helm
 import pytest
 from helm_harness import (
     CHART_DIR,
+    ONE_COMPONENT,
     all_containers,
+    assert_adds_nothing,
     assert_component_renders_clean,
     assert_pod_disruption_budget,
     assert_values_rejected,
@@ -129,10 +131,7 @@ def test_combination_renders_valid_objects_and_lints_clean(values: dict[str, Any
 
 def test_disabled_retrieval_renders_nothing_even_with_backends_configured() -> None:
     values = {"retrieval": {"enabled": False, **EXTERNAL, "ingest": {"enabled": True}}}
-    assert kinds(render_chart(values)) == [
-        ("ConfigMap", "bc-bcstack-common"),
-        ("ServiceAccount", "bc-bcstack"),
-    ]
+    assert_adds_nothing(values)
 
 
 def test_embedded_defaults_are_one_deployment_service_and_index_claim() -> None:
@@ -857,7 +856,7 @@ def test_notes_describe_the_retrieval_setup() -> None:
     assert "Retrieval: Service bc-bcstack-retrieval" in notes
     assert "internal Elasticsearch StatefulSet bc-bcstack-elasticsearch" in notes
     assert "post-install/post-upgrade hook" in notes
-    assert "Retrieval:" not in render_notes()
+    assert "Retrieval:" not in render_notes(ONE_COMPONENT)
     assert "external Qdrant https://qdrant.example.com:6333" in render_notes(COMBOS["external-external"])
 
 

@@ -21,6 +21,8 @@ import pytest
 import typer
 from helm_harness import (
     CHART_DIR,
+    ONE_COMPONENT,
+    assert_adds_nothing,
     assert_values_rejected,
     chart_defaults,
     default_paths,
@@ -223,12 +225,14 @@ def test_trainer_objects_per_mode(rendered: dict[str, list[dict[str, Any]]]) -> 
 
 
 def test_disabled_trainer_renders_nothing() -> None:
-    assert kinds(render_chart()) == [("ConfigMap", "bc-bcstack-common"), ("ServiceAccount", "bc-bcstack")]
+    assert_adds_nothing({"trainer": {"enabled": False}})
     values = VALUE_SETS["gpu"]
     values = {**values, "trainer": {**values["trainer"], "enabled": False}}
     assert not [m for m in render_chart(values) if m["kind"] == "Job"]
     # Off, it needs no records claim.
-    assert not [m for m in render_chart({"trainer": {"enabled": False}}) if m["kind"] == "Job"]
+    assert not [
+        m for m in render_chart({**ONE_COMPONENT, "trainer": {"enabled": False}}) if m["kind"] == "Job"
+    ]
 
 
 # --- the command: torchrun with the layout, then `bcstack train <mode> --tp N` ------------------
@@ -827,7 +831,7 @@ def test_notes_describe_the_trainer(rendered: dict[str, list[dict[str, Any]]]) -
     assert "PersistentVolumeClaim shared-checkpoints at /ckpt, shared with the workers" in notes
     assert f"kubectl logs -n default -f job/{name}" in notes
     assert "CPU process(es) (gloo" in render_notes(VALUE_SETS["defaults"])
-    assert "Trainer:" not in render_notes()
+    assert "Trainer:" not in render_notes(ONE_COMPONENT)
     rl_notes = render_notes(VALUE_SETS["rl"])
     rl_name = job(rendered["rl"])["metadata"]["name"]
     assert f"Trainer: Job {rl_name}, the RL loop (bcstack train rl)" in rl_notes

@@ -12,7 +12,9 @@ import helm_python as helm
 import pytest
 from helm_harness import (
     CHART_DIR,
+    ONE_COMPONENT,
     all_containers,
+    assert_adds_nothing,
     assert_component_renders_clean,
     assert_pod_disruption_budget,
     assert_values_rejected,
@@ -147,10 +149,7 @@ def test_worker_alone_is_a_deployment_a_service_and_the_checkpoint_claim() -> No
 def test_disabled_worker_renders_nothing() -> None:
     values = {"worker": {"enabled": False, "replicas": 8, "podDisruptionBudget": {"enabled": True}}}
     values["metrics"] = {"serviceMonitor": {"enabled": True}}
-    assert kinds(render_chart(values)) == [
-        ("ConfigMap", "bc-bcstack-common"),
-        ("ServiceAccount", "bc-bcstack"),
-    ]
+    assert_adds_nothing(values)
 
 
 # --- the pod: SGLang beside the sidecar --------------------------------------------------
@@ -801,7 +800,7 @@ def test_notes_describe_the_workers() -> None:
     assert "dns:///bc-bcstack-worker.default.svc.cluster.local:50052" in notes
     assert "Retrieval: bc-bcstack-retrieval:50051" in notes
     assert "must already hold" in notes and "/checkpoints/qwen3-4b-worker-sft" in notes
-    assert "Workers:" not in render_notes()
+    assert "Workers:" not in render_notes(ONE_COMPONENT)
 
 
 def test_headless_service_choice_is_documented() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helm_harness import render_chart, validate_manifests
+from helm_harness import ONE_COMPONENT, render_chart, validate_manifests
 from prom_util import dashboard_queries, metric_names_in
 
 from bcstack import dashboards
@@ -24,7 +24,7 @@ def committed() -> dict[str, dict]:
 def recorded_names() -> set[str]:
     rule = next(
         o
-        for o in render_chart({"metrics": {"prometheusRule": {"enabled": True}}})
+        for o in render_chart({**ONE_COMPONENT, "metrics": {"prometheusRule": {"enabled": True}}})
         if o["kind"] == "PrometheusRule"
     )
     return {r["record"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r}
@@ -74,7 +74,7 @@ def test_every_panel_query_parses_and_names_bcstack_metrics_or_recording_rules()
 
 
 def test_dashboards_render_as_configmaps_for_the_grafana_sidecar():
-    assert not [o for o in render_chart({}) if "dashboard" in o["metadata"]["name"]]
+    assert not [o for o in render_chart(ONE_COMPONENT) if "dashboard" in o["metadata"]["name"]]
     values = {
         "metrics": {
             "dashboards": {
@@ -86,7 +86,9 @@ def test_dashboards_render_as_configmaps_for_the_grafana_sidecar():
         }
     }
     maps = [
-        o for o in render_chart(values) if o["kind"] == "ConfigMap" and "-dashboard-" in o["metadata"]["name"]
+        o
+        for o in render_chart({**ONE_COMPONENT, **values})
+        if o["kind"] == "ConfigMap" and "-dashboard-" in o["metadata"]["name"]
     ]
     validate_manifests(maps)
     boards = committed()

@@ -1,0 +1,159 @@
+"""`bcstack checkpoint fetch`: a model from a Hugging Face Hub cache laid out on disk the way
+huggingface_hub lays it out (blobs named by their Hub hash, snapshots/<commit>/ linking to them,
+refs/main), read through the real `snapshot_download` with the Hub offline; never a download."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants
+
+from bcstack.fetch import PROVENANCE_FILE, FetchError, fetch
+from core.checkpoint import SUMS_FILE, read_sha256sums, sha256_file
+
+REPO = "Qwen/Qwen3-4B"
+COMMIT = "1cfa9a7208912126459214e8b04321603b3df60c"
+OTHER_COMMIT = "0" * 40
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FILES = {
+    "config.json": (b'{"architectures": ["Qwen3ForCausalLM"]}\n', False),
+    "tokenizer_config.json": (b'{"model_max_length": 40960}\n', False),
+    "model-00001-of-00002.safetensors": (os.urandom(300_000), True),
+    "model-00002-of-00002.safetensors": (os.urandom(200_000), True),
+    "nested/extra.txt": (b"a file in a folder\n", False),
+    ".gitattributes": (b"*.safetensors filter=lfs\n", False),
+}
+
+
+def hub_cache(root: Path, commit: str = COMMIT, files: dict = FILES) -> Path:
+    """A Hub cache holding REPO@commit: LFS files under their SHA-256, others under their git blob
+    SHA-1, each snapshot file a relative link into blobs/ (huggingface_hub's cache layout)."""
+    repo_dir = root / ("models--" + REPO.replace("/", "--"))
+    for name, (data, lfs) in files.items():
+        blob = (
+            hashlib.sha256(data).hexdigest()
+            if lfs
+            else hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()  # noqa: S324
+        )
+        (repo_dir / "blobs").mkdir(parents=True, exist_ok=True)
+        (repo_dir / "blobs" / blob).write_bytes(data)
+        link = repo_dir / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(repo_dir / "blobs" / blob, link.parent))
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    return root
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_a_cached_model_is_copied_checked_and_summed(tmp_path, offline):
+    cache = hub_cache(tmp_path / "cache")
+    out = tmp_path / "checkpoints" / "qwen3-4b"
+    seen: list[str] = []
+    result = fetch(REPO, COMMIT, out, cache_dir=cache, progress=lambda done, total, name: seen.append(name))
+    assert result["reused"] is False and result["files"] == 5 and result["hub_hashes_checked"] == 5
+    assert sorted(seen) == sorted(name for name in FILES if not name.startswith("."))
+    for name, (data, _) in FILES.items():
+        path = out / name
+        if name.startswith("."):
+            assert not path.exists()
+            continue
+        assert path.is_file() and not path.is_symlink() and path.read_bytes() == data
+    sums = read_sha256sums(out)
+    assert set(sums) == {n for n in FILES if not n.startswith(".")} | {PROVENANCE_FILE}
+    assert all(sha256_file(out / n) == d for n, d in sums.items())
+    provenance = json.loads((out / PROVENANCE_FILE).read_text())
+    assert provenance["repo"] == REPO and provenance["revision"] == COMMIT
+    assert provenance["bytes"] == sum(len(d) for n, (d, _) in FILES.items() if not n.startswith("."))
+    assert not out.with_name(out.name + ".partial").exists()
+    # Again: the finished folder is verified and kept.
+    again = fetch(REPO, COMMIT, out, cache_dir=cache)
+    assert again["reused"] is True and again["fetched_at"] == provenance["fetched_at"]
+
+
+def test_a_corrupt_cache_entry_is_refused_and_nothing_is_left(tmp_path, offline):
+    cache = hub_cache(tmp_path / "cache")
+    blob = hashlib.sha256(FILES["model-00002-of-00002.safetensors"][0]).hexdigest()
+    path = cache / ("models--" + REPO.replace("/", "--")) / "blobs" / blob
+    path.write_bytes(b"x" + path.read_bytes()[1:])
+    out = tmp_path / "out"
+    with pytest.raises(FetchError, match=r"model-00002-of-00002.safetensors does not match the Hub's hash"):
+        fetch(REPO, COMMIT, out, cache_dir=cache)
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_small_file_is_checked_against_its_git_blob_id(tmp_path, offline):
+    cache = hub_cache(tmp_path / "cache")
+    data = FILES["config.json"][0]
+    blob = hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()  # noqa: S324
+    (cache / ("models--" + REPO.replace("/", "--")) / "blobs" / blob).write_bytes(
+        data.replace(b"Qwen3", b"Llama")
+    )
+    with pytest.raises(FetchError, match="config.json does not match"):
+        fetch(REPO, COMMIT, tmp_path / "out", cache_dir=cache)
+
+
+def test_a_moving_revision_or_a_bad_repo_is_refused(tmp_path):
+    with pytest.raises(FetchError, match="full 40-character commit hash"):
+        fetch(REPO, "main", tmp_path / "out")
+    with pytest.raises(FetchError, match="expected OWNER/NAME"):
+        fetch("qwen3", COMMIT, tmp_path / "out")
+
+
+def test_a_commit_not_in_the_cache_offline_is_one_line(tmp_path, offline):
+    cache = hub_cache(tmp_path / "cache")
+    with pytest.raises(
+        FetchError, match=f"{REPO}@{OTHER_COMMIT} is not in the Hub cache and HF_HUB_OFFLINE is set"
+    ):
+        fetch(REPO, OTHER_COMMIT, tmp_path / "out", cache_dir=cache)
+
+
+def test_another_model_in_out_needs_force_and_a_tampered_one_is_caught(tmp_path, offline):
+    cache = hub_cache(tmp_path / "cache")
+    hub_cache(cache, commit=OTHER_COMMIT, files={"config.json": (b"{}\n", False)})
+    out = tmp_path / "out"
+    fetch(REPO, OTHER_COMMIT, out, cache_dir=cache)
+    with pytest.raises(FetchError, match=f"holds {REPO}@{OTHER_COMMIT}, not {REPO}@{COMMIT}; use --force"):
+        fetch(REPO, COMMIT, out, cache_dir=cache)
+    assert fetch(REPO, COMMIT, out, cache_dir=cache, force=True)["files"] == 5
+    (out / "config.json").write_bytes(b"{}\n")
+    with pytest.raises(FetchError, match=f"config.json does not match its SHA-256 in {SUMS_FILE}"):
+        fetch(REPO, COMMIT, out, cache_dir=cache)
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(FetchError, match="is not a fetched model"):
+        fetch(REPO, COMMIT, tmp_path / "plain", cache_dir=cache)
+
+
+def test_the_command_offline_with_a_token_that_never_shows(tmp_path):
+    cache = hub_cache(tmp_path / "cache")
+    out = tmp_path / "ckpt"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_TOKEN": "hf_s3cr3tTOKENvalue"}
+    args = [sys.executable, "-m", "bcstack", "checkpoint", "fetch", "--repo", REPO, "--revision", COMMIT]
+    done = subprocess.run(
+        [*args, "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "fetched and verified" in done.stderr and (out / SUMS_FILE).is_file()
+    again = subprocess.run(
+        [*args, "--out", str(out)], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=60
+    )
+    assert again.returncode == 0 and "already there, verified" in again.stderr
+    missing = subprocess.run(
+        [*args[:-1], OTHER_COMMIT, "--out", str(tmp_path / "x")], capture_output=True, text=True, env=env,
+        cwd=REPO_ROOT, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert missing.stderr.strip().count("\n") == 0 and "not in the Hub cache" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    for run in (done, again, missing):
+        assert "hf_s3cr3tTOKENvalue" not in run.stdout + run.stderr
