@@ -54,4 +54,14 @@ PY
 # 5. SGLang's wheels (the chart's pinned version and the newest release), for the contract tests:
 # downloaded once into .cache/sglang/<version>/ with `pip download --no-deps`, never installed.
 "$PY" -m devkit.sglang.source
+# 6. checkov, the IaC scanner the chart's presets are checked with (tests/test_chart_presets.py), in
+# an environment of its own under .cache/tools: its pins (packaging, networkx, ...) would otherwise
+# move this package's.
+CHECKOV_VERSION=3.3.30
+CHECKOV=.cache/tools/checkov
+if [ "$("$CHECKOV/bin/checkov" --version 2>/dev/null)" != "$CHECKOV_VERSION" ]; then
+  echo "install: checkov==$CHECKOV_VERSION (in $CHECKOV)"
+  "$PY" -m venv "$CHECKOV"
+  "$CHECKOV/bin/pip" install --disable-pip-version-check -q "checkov==$CHECKOV_VERSION"
+fi
 echo "install: done"

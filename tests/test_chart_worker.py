@@ -825,3 +825,61 @@ def test_worker_dockerfile_runs_the_sidecar_as_non_root() -> None:
     assert "urllib" in " ".join(health.value) and "curl" not in " ".join(health.value)
     env = dict(zip(by_cmd["ENV"][0].value[::2], by_cmd["ENV"][0].value[1::2], strict=True))
     assert env["BCSTACK_WORKER_ENGINE_URL"] == "http://127.0.0.1:30000"
+
+
+# --- model.fetch: a Job puts a Hub model on the checkpoints claim ---------------------------------
+
+FETCH_COMMIT = "1cfa9a7208912126459214e8b04321603b3df60c"
+
+
+def test_the_fetch_job_runs_checkpoint_fetch_onto_the_claim_with_the_token_by_reference() -> None:
+    values = worker(
+        model={
+            "fetch": {
+                "enabled": True,
+                "revision": FETCH_COMMIT,
+                "tokenSecret": {"name": "hf", "key": "token"},
+            }
+        }
+    )
+    manifests = render_chart(values)
+    validate_manifests(manifests)
+    job = find(manifests, "Job", "bc-bcstack-worker-fetch")
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["bcstack", "checkpoint", "fetch"]
+    assert container["args"] == [
+        "--repo", "Qwen/Qwen3-4B", "--revision", FETCH_COMMIT, "--out", "/checkpoints/qwen3-4b-worker-sft",
+        "--cache-dir", "/hf-cache",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert env["HF_HOME"]["value"] == "/hf-cache"
+    assert not [m for m in manifests if m["kind"] == "Secret"]  # the token is never a value
+    mount, claim = mounted_volume(pod, container, "/checkpoints")
+    assert claim["persistentVolumeClaim"] == {"claimName": "bc-bcstack-checkpoints"}
+    assert not mount.get("readOnly")  # the one writer besides the trainer
+    assert mounted_volume(pod, container, "/hf-cache")[1]["emptyDir"] == {"sizeLimit": "40Gi"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    notes = render_notes(values)
+    assert (
+        f"Job bc-bcstack-worker-fetch puts Qwen/Qwen3-4B@{FETCH_COMMIT} at /checkpoints/qwen3-4b-worker-sft"
+        in notes
+    )
+    # Without a token: no HF_TOKEN at all.
+    plain = find(render_chart(worker(model={"fetch": {"enabled": True, "revision": FETCH_COMMIT}})), "Job")
+    assert "HF_TOKEN" not in {e["name"] for e in plain["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert not [m for m in render_chart(worker()) if m["kind"] == "Job"]
+
+
+def test_the_fetch_job_refuses_a_moving_or_malformed_source() -> None:
+    def values(**fetch: Any) -> dict[str, Any]:
+        return worker(model={"fetch": {"enabled": True, **fetch}})
+
+    assert_values_rejected(values(revision="main"), "/worker/model/fetch/revision")
+    assert_values_rejected(values(revision=FETCH_COMMIT, repo="qwen3"), "/worker/model/fetch/repo")
+    with pytest.raises(helm.HelmRenderError, match="the model's full 40-character commit hash on the Hub"):
+        render_chart(values())
+    with pytest.raises(helm.HelmRenderError, match="tokenSecret.key is required"):
+        render_chart(values(revision=FETCH_COMMIT, tokenSecret={"name": "hf"}))

@@ -194,10 +194,11 @@ annotations:
 A bare `helm install` (no component enabled) fails with one line naming the presets, rather than
 creating a ConfigMap and a ServiceAccount and saying nothing; nor does it install the `cpu` preset
 by itself: on a GPU cluster a toy stack that comes up healthy looks like success (issue 34).
+The presets named must exist (tests/test_chart.py, tests/test_chart_presets.py).
 */}}
 {{- define "bcstack.requireComponent" -}}
 {{- $v := .Values -}}
 {{- if not (or $v.retrieval.enabled $v.worker.enabled $v.coordinator.enabled $v.judge.enabled $v.trainer.enabled) -}}
-{{- fail "bcstack: no component is enabled, so this would install nothing; start from a preset (-f charts/bcstack/presets/one-gpu.yaml: one GPU, evaluation-ready) or enable components (--set retrieval.enabled=true, worker, coordinator, judge, trainer)" -}}
+{{- fail "bcstack: no component is enabled, so this would install nothing; start from a preset (-f charts/bcstack/presets/one-gpu.yaml, eight-gpu.yaml or rl-training.yaml; their headers say what each runs) or enable components (--set retrieval.enabled=true, worker, coordinator, judge, trainer)" -}}
 {{- end -}}
 {{- end -}}
