@@ -163,3 +163,9 @@ def test_the_trainer_presets_train_in_seed_001s_layout(name: str, mode: str) -> 
     assert "--nproc_per_node 4" in command or "--nproc_per_node=4" in command, command
     assert f"train {mode}" in command and "--tp 4" in command, command
     assert find(manifests, "Deployment", "bc-bcstack-worker")["spec"]["replicas"] == 4
+
+
+def test_the_cluster_docs_list_every_preset() -> None:
+    docs = (REPO_ROOT / "docs" / "cluster.md").read_text()
+    for preset in PRESETS:
+        assert f"| `{preset.name}` |" in docs, preset.name
