@@ -7,8 +7,9 @@ PYTEST_ARGS ?=
 # measured times); 0 runs one process, in pytest's order.
 PYTEST_WORKERS ?= 2
 SPEEDRUN_ARGS ?=
+IMAGES_ARGS ?=
 
-.PHONY: help install demo speedrun test lint proto dashboards clean
+.PHONY: help install demo speedrun test lint proto dashboards images clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -42,6 +43,9 @@ proto: install  ## regenerate the gRPC stubs in core/v1 from proto/
 
 dashboards: install  ## regenerate the chart's Grafana dashboards in charts/bcstack/dashboards
 	$(PYTHON) -m bcstack.dashboards
+
+images:  ## build every image with docker, podman or buildah, in order; IMAGES_ARGS=--dry-run shows the plan
+	$(PYTHON) -m devkit.images $(IMAGES_ARGS)
 
 clean:  ## remove build outputs and the install stamp
 	rm -rf .make build *.egg-info .pytest_cache .ruff_cache .hypothesis

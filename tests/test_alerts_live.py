@@ -34,7 +34,7 @@ import httpx
 import pytest
 import yaml
 from conftest import LOOPBACK, find_free_port, wait_until
-from helm_harness import chart_defaults, render_chart
+from helm_harness import ONE_COMPONENT, chart_defaults, render_chart
 from prom_util import alerts, dashboard_queries, metric_names_in, prometheus, query
 from prometheus_client.parser import text_string_to_metric_families
 from stack_util import ForkedPopen
@@ -60,7 +60,8 @@ def live_rules(path: Path) -> Path:
     """The chart's rules with the test's timings: every alert at once (`for: 0s`), a short window."""
     alerts_values = {name: {"for": "0s"} for name in chart_defaults("metrics")["prometheusRule"]["alerts"]}
     alerts_values["turnsSlow"]["baseline"] = "2m"
-    values = {"metrics": {"prometheusRule": {"enabled": True, "window": WINDOW, "alerts": alerts_values}}}
+    rule = {"prometheusRule": {"enabled": True, "window": WINDOW, "alerts": alerts_values}}
+    values = {**ONE_COMPONENT, "metrics": rule}
     rule = next(o for o in render_chart(values, release=RELEASE) if o["kind"] == "PrometheusRule")
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
     return path
