@@ -4,7 +4,10 @@ sidecar, the headless Service, the checkpoint volume, PDB and ServiceMonitor, ch
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -754,6 +757,12 @@ NULLABLE_WORKER_KEYS = {
     "resources.requests.cpu",
     "resources.requests.memory",
     "resources.limits.memory",
+    # The reload Job's resources: a null drops that request or limit (or all of them).
+    "reload.job.resources.requests",
+    "reload.job.resources.requests.cpu",
+    "reload.job.resources.requests.memory",
+    "reload.job.resources.limits",
+    "reload.job.resources.limits.memory",
 }
 
 
@@ -883,3 +892,85 @@ def test_the_fetch_job_refuses_a_moving_or_malformed_source() -> None:
         render_chart(values())
     with pytest.raises(helm.HelmRenderError, match="tokenSecret.key is required"):
         render_chart(values(revision=FETCH_COMMIT, tokenSecret={"name": "hf"}))
+
+
+# --- reload.job: the hot reload from inside the cluster ------------------------------------------
+
+RELOAD_CHECKPOINT = "/checkpoints/qwen3-4b-worker-grpo/step-000010"
+
+
+def reload_values(**job: Any) -> dict[str, Any]:
+    values = worker(reload={"job": {"checkpoint": RELOAD_CHECKPOINT, **job}})
+    return {**values, "adminToken": {"existingSecret": "bc-admin"}, "judge": {"enabled": True}}
+
+
+def test_the_reload_job_reloads_every_worker_from_inside_the_cluster(tmp_path: Path) -> None:
+    manifests = render_chart({**reload_values(), "networkPolicy": {"enabled": True}})
+    validate_manifests(manifests)
+    (job,) = [m for m in manifests if m["kind"] == "Job"]
+    assert job["metadata"]["name"].startswith("bc-bcstack-worker-reload-")
+    pod = job["spec"]["template"]["spec"]
+    assert job["spec"]["backoffLimit"] == 0 and pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    assert container["command"] == ["bcstack", "worker", "reload"]
+    args = container["args"]
+    assert args[args.index("--checkpoint") + 1] == RELOAD_CHECKPOINT
+    selector = dict(term.split("=") for term in args[args.index("--k8s-selector") + 1].split(","))
+    worker_pods = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= worker_pods.items() and selects(selector, worker_pods)
+    assert args[args.index("--port") + 1] == "8002" and "--canary" not in args
+    assert env_of(container)["BCSTACK_ADMIN_TOKEN"] == {
+        "secretKeyRef": {"name": "bc-admin", "key": "admin-token"}
+    }
+    mount, claim = mounted_volume(pod, container, "/checkpoints")
+    assert mount["readOnly"] is True and claim["persistentVolumeClaim"]["readOnly"] is True
+    # Its own ServiceAccount, token mounted, allowed to read pods and nothing else.
+    account = pod["serviceAccountName"]
+    assert pod["automountServiceAccountToken"] is True
+    assert find(manifests, "ServiceAccount", account)["automountServiceAccountToken"] is True
+    assert find(manifests, "Role", account)["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert find(manifests, "RoleBinding", account)["subjects"][0]["name"] == account
+    # The workers' NetworkPolicy lets it in.
+    policy = find(manifests, "NetworkPolicy", "bc-bcstack-worker")
+    peers = [
+        p.get("podSelector", {}).get("matchLabels", {})
+        for rule in policy["spec"]["ingress"]
+        for p in rule.get("from", [])
+    ]
+    assert any(selects(peer, job["spec"]["template"]["metadata"]["labels"]) for peer in peers if peer)
+    # The same Job for the same reload; a new one for another checkpoint.
+    again = [m for m in render_chart(reload_values()) if m["kind"] == "Job"][0]
+    other = [
+        m for m in render_chart(reload_values(checkpoint="/checkpoints/x/step-2")) if m["kind"] == "Job"
+    ][0]
+    assert again["metadata"]["name"] == job["metadata"]["name"] != other["metadata"]["name"]
+    assert not [m for m in render_chart(worker()) if "reload" in m["metadata"]["name"]]
+    # The real command takes these arguments: it gets as far as the canary questions file.
+    canary = [
+        m
+        for m in render_chart(reload_values(canary=1, eval="/checkpoints/q/dev.jsonl", maxDrop=5))
+        if m["kind"] == "Job"
+    ][0]
+    canary_args = canary["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert canary_args[canary_args.index("--judge") + 1] == "http://bc-bcstack-judge:8005"
+    done = subprocess.run(
+        [sys.executable, "-m", "bcstack", "worker", "reload", *canary_args],
+        capture_output=True, text=True, timeout=60, cwd=CHART_DIR.parents[1],
+        env={**os.environ, "BCSTACK_ADMIN_TOKEN": "t"},
+    )  # fmt: skip
+    assert done.returncode == 2 and "error: /checkpoints/q/dev.jsonl: no such file" in done.stderr
+
+
+def test_the_reload_job_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(helm.HelmRenderError, match="must lie under worker.checkpoints.mountPath"):
+        render_chart(reload_values(checkpoint="/elsewhere/step-1"))
+    no_token = {k: v for k, v in reload_values().items() if k != "adminToken"}
+    with pytest.raises(helm.HelmRenderError, match="reloads through the workers' admin endpoint"):
+        render_chart(no_token)
+    with pytest.raises(helm.HelmRenderError, match="canary needs worker.reload.job.eval"):
+        render_chart(reload_values(canary=1))
+    with pytest.raises(helm.HelmRenderError, match="exactly one of minAccuracy and maxDrop"):
+        render_chart(reload_values(canary=1, eval="/checkpoints/q.jsonl"))
+    assert_values_rejected(reload_values(canary=0), "/worker/reload/job/canary")
