@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -812,6 +814,13 @@ NULLABLE_RETRIEVAL_KEYS = {
         for backend in ("elasticsearch", "qdrant")
         for kind, resource in [("requests", "cpu"), ("requests", "memory"), ("limits", "memory")]
     ),
+    # The load test: concurrency null with qps set (the open loop); a null resource drops it.
+    "loadtest.concurrency",
+    "loadtest.resources.requests",
+    "loadtest.resources.requests.cpu",
+    "loadtest.resources.requests.memory",
+    "loadtest.resources.limits",
+    "loadtest.resources.limits.memory",
 }
 
 
@@ -871,3 +880,65 @@ def test_retrieval_dockerfile_runs_the_service_as_non_root() -> None:
     assert cmd[cmd.index("--port") + 1] == "8001" and cmd[cmd.index("--grpc-port") + 1] == "50051"
     assert cmd[cmd.index("--index-dir") + 1] == "/data/index"
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+
+
+# --- loadtest: the load test as a Job beside the Service ---------------------------------------
+
+
+def test_the_loadtest_job_measures_the_service_from_inside_and_keeps_its_report(tmp_path) -> None:
+    values = {
+        "retrieval": {"enabled": True, "loadtest": {"enabled": True}},
+        "networkPolicy": {"enabled": True},
+    }
+    manifests = render_chart(values)
+    validate_manifests(manifests)
+    (job,) = [m for m in manifests if m["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert container["command"] == ["bcstack", "loadtest", "retrieval"]
+    assert args[args.index("--url") + 1] == f"http://{DEPLOYMENT}:8001"
+    assert args[args.index("--out") + 1] == f"/reports/{job['metadata']['name']}"
+    claim = find(manifests, "PersistentVolumeClaim", "bc-bcstack-retrieval-loadtest-reports")
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    reports = next(v for v in pod["volumes"] if v["name"] == "reports")
+    assert reports["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    policy = find(manifests, "NetworkPolicy", DEPLOYMENT)
+    peers = [
+        p.get("podSelector", {}).get("matchLabels")
+        for r in policy["spec"]["ingress"]
+        for p in r.get("from", [])
+    ]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert any(peer and all(labels.get(k) == v for k, v in peer.items()) for peer in peers)
+    # gRPC, open loop, an existing claim; `run` makes a new Job.
+    grpc = {
+        "enabled": True,
+        "grpc": True,
+        "concurrency": None,
+        "qps": 50,
+        "reports": {"existingClaim": "perf"},
+        "run": "2",
+    }
+    other = render_chart({"retrieval": {"enabled": True, "loadtest": grpc}})
+    (job2,) = [m for m in other if m["kind"] == "Job"]
+    args2 = job2["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args2[:3] == ["--url", f"{DEPLOYMENT}:50051", "--grpc"] and "--qps" in args2
+    assert job2["metadata"]["name"] != job["metadata"]["name"]
+    assert not [
+        m for m in other if m["kind"] == "PersistentVolumeClaim" and "loadtest" in m["metadata"]["name"]
+    ]
+    with pytest.raises(helm.HelmRenderError, match="exactly one of concurrency"):
+        render_chart({"retrieval": {"enabled": True, "loadtest": {"enabled": True, "qps": 5}}})
+    # The real command takes the Job's arguments (here against a closed port, for half a second):
+    # it writes the report and the plot where the Job's --out says, and fails as it should.
+    local = [a.replace(f"http://{DEPLOYMENT}:8001", "http://127.0.0.1:9") for a in args]
+    local[local.index("--duration") + 1] = "0.5"
+    local[local.index("--warmup") + 1] = "0"
+    local[local.index("--out") + 1] = str(tmp_path / "report")
+    done = subprocess.run(
+        [sys.executable, "-m", "bcstack", "loadtest", "retrieval", *local],
+        capture_output=True, text=True, timeout=120, cwd=CHART_DIR.parents[1],
+    )  # fmt: skip
+    assert done.returncode == 1 and "is the service running there?" in done.stderr
+    assert (tmp_path / "report" / "report.json").is_file() and (tmp_path / "report" / "latency.png").is_file()
