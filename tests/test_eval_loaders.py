@@ -368,3 +368,54 @@ def test_arbitrary_rows_load_or_raise_loader_error(rows: list[dict], password: s
             assert str(path) in str(exc)
         else:
             assert all(isinstance(q, EvalQuestion) and q.query and q.answer for q in questions)
+
+
+# --- bcstack eval decrypt ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_decrypt_writes_the_clear_queries_owner_only(tmp_path: Path, suffix: str) -> None:
+    from bcstack.evaluation.loaders import decrypt_file
+
+    source = write_rows(encrypted(BCP_ROWS), tmp_path / f"queries{suffix}")
+    out = tmp_path / "clear.jsonl"
+    assert decrypt_file(source, out, password=PASSWORD) == 2
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert rows == [{k: v for k, v in row.items() if k != "negative_docs"} for row in BCP_ROWS]
+    assert out.stat().st_mode & 0o777 == 0o600
+    assert load_questions(out) == BCP_EXPECTED  # no password needed any more
+
+
+def test_decrypt_with_a_wrong_password_leaves_nothing(tmp_path: Path) -> None:
+    from bcstack.evaluation.loaders import decrypt_file
+
+    source = write_rows(encrypted(BCP_ROWS), tmp_path / "queries.jsonl")
+    out = tmp_path / "clear.jsonl"
+    with pytest.raises(
+        LoaderError, match=r"line 1.*query.*decryption failed \(not UTF-8\); wrong password\?"
+    ):
+        decrypt_file(source, out, password="wrong")
+    assert not out.exists() and not list(tmp_path.glob(".clear.jsonl*"))
+    with pytest.raises(LoaderError, match="decryption failed \\(not base64\\); is the file encrypted\\?"):
+        decrypt_file(write_rows(BCP_ROWS, tmp_path / "plain.jsonl"), out, password=PASSWORD)
+
+
+def test_the_decrypt_command_reads_the_password_from_the_env_and_never_prints_it(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    source = write_rows(encrypted(BCP_ROWS), tmp_path / "queries.jsonl")
+    env = {**os.environ, "BCSTACK_EVAL_PASSWORD": PASSWORD}
+    args = [sys.executable, "-m", "bcstack", "eval", "decrypt", "--questions", str(source)]
+    done = subprocess.run(
+        [*args, "--out", str(tmp_path / "c.jsonl")], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0 and "decrypted 2 queries" in done.stderr
+    env["BCSTACK_EVAL_PASSWORD"] = "wrong-password-xyz"
+    bad = subprocess.run(
+        [*args, "--out", str(tmp_path / "d.jsonl")], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "wrong password?" in bad.stderr
+    for run in (done, bad):
+        assert PASSWORD not in run.stdout + run.stderr and "wrong-password-xyz" not in run.stdout + run.stderr

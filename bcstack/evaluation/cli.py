@@ -159,6 +159,33 @@ def run_with_progress(
     return tally
 
 
+@app.command("decrypt")
+def decrypt(
+    questions: Path = typer.Option(
+        ..., "--questions", help="BrowseComp-Plus queries, obfuscated (JSON lines or Parquet)."
+    ),
+    out: Path = typer.Option(..., "--out", help="The clear JSON lines file to write (mode 600)."),
+    password: str = typer.Option(
+        ...,
+        "--password",
+        envvar="BCSTACK_EVAL_PASSWORD",
+        help="The benchmark's canary string (BrowseComp-Plus' README gives it); better from the env var.",
+    ),
+) -> None:
+    """Decrypt BrowseComp-Plus queries into clear JSON lines (query_id, query, answer, evidence_docs,
+    gold_docs): what `bcstack eval run --questions` and the trainer read without a password. Keep the
+    file off the web: it holds the benchmark's answers."""
+    from bcstack.evaluation.loaders import LoaderError, decrypt_file
+
+    try:
+        count = decrypt_file(questions, out, password=password)
+    except LoaderError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror or exc}")
+    typer.echo(f"decrypted {count} queries into {out}", err=True)
+
+
 @app.command("report")
 def report(
     eval_dir: Path = typer.Argument(..., help="An evaluation directory written by `bcstack eval run`."),

@@ -415,6 +415,52 @@ def load_questions(
     return questions
 
 
+def decrypt_file(path: Path | str, out: Path | str, *, password: str) -> int:
+    """Write BrowseComp-Plus query rows of ``path`` (JSON lines or Parquet) to ``out`` in clear text, as
+    JSON lines with ``query_id``, ``query``, ``answer``, ``evidence_docs`` and ``gold_docs`` (documents
+    whole, their text decrypted too); how many rows. ``negative_docs`` is left out (never used, most of
+    the file). ``out`` appears only complete (a temporary file renamed) and readable by its owner only:
+    it holds the benchmark's answers, which must not reach a crawler or a training set."""
+    path, out = Path(path), Path(out)
+    if not path.is_file():
+        raise _error(path, None, None, "no such file")
+    digest = _digest(password)
+    temporary = out.with_name(f".{out.name}.partial")
+    count = 0
+    seen: set[str] = set()
+    try:
+        with temporary.open("w", encoding="utf-8") as handle:
+            temporary.chmod(0o600)
+            for where, row in _rows(path):
+                fields, prefix, _ = _row_fields(path, where, row)
+                if prefix:
+                    raise _error(
+                        path, where, "extra_info", "a FoldAgent split row: its fields are not encrypted"
+                    )
+                qid = _query_id(fields.get("query_id"), path, where, "query_id")
+                if qid in seen:
+                    raise _error(path, where, "query_id", f"duplicate query_id {qid!r}")
+                seen.add(qid)
+                clear: dict[str, Any] = {"query_id": qid}
+                for name in ENCRYPTED_FIELDS:
+                    if fields.get(name) is None:
+                        continue
+                    try:
+                        clear[name] = _decrypt(fields[name], digest, name)
+                    except DecryptionError as exc:
+                        hint = "wrong password?" if exc.reason == "not UTF-8" else "is the file encrypted?"
+                        raise _error(
+                            path, where, exc.field or name, f"decryption failed ({exc.reason}); {hint}"
+                        ) from None
+                handle.write(json.dumps(clear, ensure_ascii=False) + "\n")
+                count += 1
+        temporary.replace(out)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return count
+
+
 def load_qrels(path: Path | str) -> dict[str, list[str]]:
     """TREC qrels (``qid Q0 docid rel``): each qid's docids with ``rel > 0``, in file order, once each."""
     path = Path(path)
