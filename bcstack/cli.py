@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from bcstack import __version__, episodes_cli, fetch, reload_cli
+from bcstack import __version__, corpus, episodes_cli, fetch, reload_cli
 from bcstack.evaluation.cli import app as eval_app
 from bcstack.rl import cli as rl_cli
 from bcstack.rl import report as rl_report
@@ -73,6 +73,7 @@ checkpoint_app = typer.Typer(help="Serving-format checkpoints.", no_args_is_help
 checkpoint_app.command("verify")(trainer_cli.verify)
 checkpoint_app.command("fetch")(fetch.command)
 app.add_typer(checkpoint_app, name="checkpoint")
+app.add_typer(corpus.app, name="corpus")
 app.add_typer(reload_cli.app, name="worker", help="Operate running workers: rolling and canary hot reloads.")
 app.add_typer(
     episodes_cli.app,

@@ -59,7 +59,9 @@ def _blob_ok(path: Path, blob: str) -> bool:
     return git.hexdigest() == blob
 
 
-def _snapshot(repo: str, revision: str, token: str | None, cache_dir: Path | None) -> Path:
+def _snapshot(
+    repo: str, revision: str, token: str | None, cache_dir: Path | None, repo_type: str = "model"
+) -> Path:
     """The cached snapshot folder of repo@revision, downloading what is missing."""
     import huggingface_hub
     from huggingface_hub import errors
@@ -67,7 +69,7 @@ def _snapshot(repo: str, revision: str, token: str | None, cache_dir: Path | Non
     try:
         return Path(
             huggingface_hub.snapshot_download(
-                repo_id=repo, revision=revision, token=token, cache_dir=cache_dir
+                repo_id=repo, revision=revision, token=token, cache_dir=cache_dir, repo_type=repo_type
             )
         )
     except errors.GatedRepoError:
@@ -108,17 +110,46 @@ def _cached_files(snapshot: Path) -> list[tuple[str, Path, str | None]]:
     return files
 
 
-def existing(out: Path, repo: str, revision: str) -> dict[str, Any] | None:
+def check_source(repo: str, revision: str) -> None:
+    """FetchError unless `repo` is OWNER/NAME and `revision` a full commit hash."""
+    if not _REPO.match(repo):
+        raise FetchError(f"--repo {repo!r}: expected OWNER/NAME, e.g. Qwen/Qwen3-4B")
+    if not _COMMIT.match(revision):
+        raise FetchError(
+            f"--revision {revision!r}: give the full 40-character commit hash (a branch or tag moves; "
+            "the Hub page's 'Files and versions' history lists them)"
+        )
+
+
+def checked_snapshot(
+    repo: str, revision: str, *, token: str | None, cache_dir: Path | None, repo_type: str = "model"
+) -> list[tuple[str, Path, bool]]:
+    """(relative name, cached path, checked against the Hub's hash) for every file of repo@revision,
+    each file's content checked against its blob name; FetchError on the first that does not match."""
+    files = _cached_files(_snapshot(repo, revision, token, cache_dir, repo_type))
+    if not files:
+        raise FetchError(f"{repo}@{revision}: the snapshot has no files")
+    for name, path, blob in files:
+        if blob is not None and not _blob_ok(path, blob):
+            raise FetchError(
+                f"{repo}@{revision}: {name} does not match the Hub's hash {blob[:12]}… (a corrupt cache "
+                "entry: delete it from the cache and fetch again)"
+            )
+    return [(name, path, blob is not None) for name, path, blob in files]
+
+
+def existing(
+    out: Path, repo: str, revision: str, *, provenance_file: str = PROVENANCE_FILE, what: str = "model"
+) -> dict[str, Any] | None:
     """The provenance of a finished fetch of repo@revision at `out`, its SHA256SUMS verified; None
     when `out` does not exist. FetchError when it holds something else or fails verification."""
     if not out.exists():
         return None
-    provenance_path = out / PROVENANCE_FILE
     try:
-        provenance = json.loads(provenance_path.read_text())
+        provenance = json.loads((out / provenance_file).read_text())
     except (OSError, ValueError):
         raise FetchError(
-            f"{out} exists and is not a fetched model (no readable {PROVENANCE_FILE}); "
+            f"{out} exists and is not a fetched {what} (no readable {provenance_file}); "
             "use --force to replace it"
         ) from None
     if (provenance.get("repo"), provenance.get("revision")) != (repo, revision):
@@ -162,34 +193,19 @@ def fetch(
     """Fetch repo@revision into `out` (see the module docstring); the provenance written, with
     `reused` true when `out` already held it verified. `progress(done_bytes, total_bytes, name)`
     is called while copying."""
-    if not _REPO.match(repo):
-        raise FetchError(f"--repo {repo!r}: expected OWNER/NAME, e.g. Qwen/Qwen3-4B")
-    if not _COMMIT.match(revision):
-        raise FetchError(
-            f"--revision {revision!r}: give the full 40-character commit hash (a branch or tag moves; "
-            "the Hub page's 'Files and versions' history lists them)"
-        )
+    check_source(repo, revision)
     out = out.resolve()
     if not force:
         found = existing(out, repo, revision)
         if found is not None:
             return {**found, "reused": True}
-    snapshot = _snapshot(repo, revision, token, cache_dir)
-    files = _cached_files(snapshot)
-    if not files:
-        raise FetchError(f"{repo}@{revision}: the snapshot has no files")
+    files = checked_snapshot(repo, revision, token=token, cache_dir=cache_dir)
     total = sum(path.stat().st_size for _, path, _ in files)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     done = 0
-    for name, path, blob in files:
-        if blob is not None and not _blob_ok(path, blob):
-            shutil.rmtree(partial, ignore_errors=True)
-            raise FetchError(
-                f"{repo}@{revision}: {name} does not match the Hub's hash {blob[:12]}… (a corrupt cache "
-                "entry: delete it from the cache and fetch again)"
-            )
+    for name, path, _ in files:
         target = partial / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)  # follows the cache's link: a plain file on the volume
@@ -204,7 +220,7 @@ def fetch(
         "revision": revision,
         "files": len(files),
         "bytes": total,
-        "hub_hashes_checked": sum(blob is not None for _, _, blob in files),
+        "hub_hashes_checked": sum(checked for _, _, checked in files),
         "fetched_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "huggingface_hub": huggingface_hub.__version__,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import subprocess
 import sys
@@ -942,3 +943,57 @@ def test_the_loadtest_job_measures_the_service_from_inside_and_keeps_its_report(
     )  # fmt: skip
     assert done.returncode == 1 and "is the service running there?" in done.stderr
     assert (tmp_path / "report" / "report.json").is_file() and (tmp_path / "report" / "latency.png").is_file()
+
+
+HUB_COMMIT = "1cfa9a7208912126459214e8b04321603b3df60c"
+
+
+def test_the_ingest_job_can_take_its_corpus_from_a_hub_dataset(tmp_path) -> None:
+    hub = {
+        "repo": "Tevatron/browsecomp-plus-corpus",
+        "revision": HUB_COMMIT,
+        "tokenSecret": {"name": "hf", "key": "t"},
+    }
+    manifests = render_chart({"retrieval": {"enabled": True, "ingest": {"enabled": True, "hub": hub}}})
+    validate_manifests(manifests)
+    pod = next(m for m in manifests if m["kind"] == "Job")["spec"]["template"]["spec"]
+    (fetch,) = [c for c in pod["initContainers"] if c["name"] == "fetch-corpus"]
+    assert fetch["command"] == ["bcstack", "corpus", "fetch"]
+    args = fetch["args"]
+    assert (
+        args[args.index("--revision") + 1] == HUB_COMMIT
+        and args[args.index("--out") + 1] == "/data/corpus/hub"
+    )
+    assert {e["name"]: e.get("valueFrom") for e in fetch["env"]}["HF_TOKEN"] == {
+        "secretKeyRef": {"name": "hf", "key": "t"}
+    }
+    ingest = pod["containers"][0]
+    assert ingest["args"][ingest["args"].index("--corpus") + 1] == "/data/corpus/hub/corpus.jsonl"
+    assert next(v for v in pod["volumes"] if v["name"] == "corpus") == {
+        "name": "corpus",
+        "emptyDir": {"sizeLimit": "20Gi"},
+    }
+    with pytest.raises(helm.HelmRenderError, match="give one corpus source"):
+        render_chart(
+            {
+                "retrieval": {
+                    "enabled": True,
+                    "ingest": {"enabled": True, "hub": hub, "toyworld": {"enabled": True}},
+                }
+            }
+        )
+    with pytest.raises(helm.HelmRenderError, match="hub.revision is required"):
+        render_chart(
+            {"retrieval": {"enabled": True, "ingest": {"enabled": True, "hub": {"repo": hub["repo"]}}}}
+        )
+    # The real command takes the init container's arguments (offline, on an empty cache: one line).
+    local = [a if not a.startswith("/data/corpus") else str(tmp_path / a.lstrip("/")) for a in args]
+    done = subprocess.run(
+        [sys.executable, "-m", "bcstack", "corpus", "fetch", *local],
+        capture_output=True, text=True, timeout=60, cwd=CHART_DIR.parents[1],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert (
+        "is not in the Hub cache and HF_HUB_OFFLINE is set" in done.stderr and "Traceback" not in done.stderr
+    )

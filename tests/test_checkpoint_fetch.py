@@ -157,3 +157,75 @@ def test_the_command_offline_with_a_token_that_never_shows(tmp_path):
     assert "Traceback" not in missing.stderr
     for run in (done, again, missing):
         assert "hf_s3cr3tTOKENvalue" not in run.stdout + run.stderr
+
+
+# --- bcstack corpus fetch: a Hub dataset of Parquet rows into corpus.jsonl ---------------------------
+
+DATASET = "Tevatron/browsecomp-plus-corpus"
+
+
+def dataset_cache(root: Path, shards: list[list[dict]], commit: str = COMMIT) -> Path:
+    """The Hub cache of DATASET@commit: Parquet shards (LFS, SHA-256 blobs) and a README (git blob)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo_dir = root / ("datasets--" + DATASET.replace("/", "--"))
+    files = {"README.md": (b"# corpus\n", False)}
+    for i, rows in enumerate(shards):
+        buffer = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buffer)
+        files[f"data/train-{i:05d}-of-{len(shards):05d}.parquet"] = (buffer.getvalue(), True)
+    for name, (data, lfs) in files.items():
+        blob = (
+            hashlib.sha256(data).hexdigest()
+            if lfs
+            else hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()  # noqa: S324
+        )
+        (repo_dir / "blobs").mkdir(parents=True, exist_ok=True)
+        (repo_dir / "blobs" / blob).write_bytes(data)
+        link = repo_dir / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(repo_dir / "blobs" / blob, link.parent))
+    return root
+
+
+DOCS = [
+    [{"docid": 1, "text": "---\ntitle: Tartu\n---\nA town.", "url": "https://e/1"}],
+    [{"docid": 22, "text": "naïve café ✓", "url": None}, {"docid": 3, "text": "third", "url": "https://e/3"}],
+]
+
+
+def test_a_hub_corpus_becomes_the_index_s_jsonl_verified(tmp_path, offline):
+    from bcstack.corpus import CORPUS_FILE, fetch_corpus
+    from bcstack.corpus import PROVENANCE_FILE as CORPUS_PROVENANCE
+    from services.retrieval.corpus import read_corpus
+
+    cache = dataset_cache(tmp_path / "cache", DOCS)
+    out = tmp_path / "corpus"
+    result = fetch_corpus(DATASET, COMMIT, out, cache_dir=cache)
+    assert result["documents"] == 3 and result["reused"] is False
+    rows = [json.loads(line) for line in (out / CORPUS_FILE).read_text(encoding="utf-8").splitlines()]
+    assert rows == [
+        {"docid": "1", "text": "---\ntitle: Tartu\n---\nA town.", "url": "https://e/1"},
+        {"docid": "22", "text": "naïve café ✓", "url": ""},
+        {"docid": "3", "text": "third", "url": "https://e/3"},
+    ]
+    assert [r.doc.docid for r in read_corpus(out / CORPUS_FILE)] == [
+        "1",
+        "22",
+        "3",
+    ]  # what `bcstack index` reads
+    assert set(read_sha256sums(out)) == {CORPUS_FILE, CORPUS_PROVENANCE}
+    assert fetch_corpus(DATASET, COMMIT, out, cache_dir=cache)["reused"] is True
+    # A shard whose bytes differ from its Hub hash, a repeated docid: refused, nothing written.
+    twice = dataset_cache(tmp_path / "twice", [DOCS[0], DOCS[0]])
+    with pytest.raises(FetchError, match="docid '1' appears twice"):
+        fetch_corpus(DATASET, COMMIT, tmp_path / "t", cache_dir=twice)
+    assert not (tmp_path / "t").exists() and not (tmp_path / "t.partial").exists()
+    blobs = cache / ("datasets--" + DATASET.replace("/", "--")) / "blobs"
+    shard = max(blobs.iterdir(), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
+    with pytest.raises(FetchError, match=r"\.parquet does not match the Hub's hash"):
+        fetch_corpus(DATASET, COMMIT, tmp_path / "c2", cache_dir=cache)
