@@ -24,10 +24,8 @@ from typing import Any
 
 import typer
 
-from bcstack.fetch import FetchError, check_source, checked_snapshot, existing, verify_sums
-from core.checkpoint import SUMS_FILE, write_sha256sums
+from bcstack.fetch import SUMS_FILE, FetchError, check_source, checked_snapshot, existing, verify_sums
 from core.kit.cli import fail
-from services.retrieval.corpus import CorpusError, read_corpus
 
 CORPUS_FILE = "corpus.jsonl"
 PROVENANCE_FILE = "corpus_provenance.json"
@@ -45,6 +43,10 @@ def fetch_corpus(
 ) -> dict[str, Any]:
     """Fetch the dataset repo@revision into `out`/corpus.jsonl (module docstring); the provenance,
     with `reused` true when `out` already held it verified. `progress(documents, name)` while writing."""
+    # Imported here: `bcstack` starts in images with one service's extra only (tests/test_extras.py).
+    from core.checkpoint import write_sha256sums
+    from services.retrieval.corpus import CorpusError, read_corpus
+
     check_source(repo, revision)
     out = out.resolve()
     if not force:

@@ -29,15 +29,11 @@ from typing import Any
 
 import typer
 
-from core.checkpoint import (
-    SUMS_FILE,
-    VerifyError,
-    checkpoint_files,
-    read_sha256sums,
-    sha256_file,
-    write_sha256sums,
-)
 from core.kit.cli import fail
+
+# core.checkpoint (safetensors, tokenizers) is imported where it is used: `bcstack` must start in
+# an image with one service's extra only (tests/test_extras.py), and this module is imported by it.
+SUMS_FILE = "SHA256SUMS"  # core.checkpoint.SUMS_FILE; tests/test_checkpoint_fetch.py checks they agree
 
 PROVENANCE_FILE = "model_provenance.json"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -51,6 +47,8 @@ class FetchError(Exception):
 def _blob_ok(path: Path, blob: str) -> bool:
     """Does `path`'s content match the Hub blob name `blob` (SHA-256 for LFS, git SHA-1 otherwise)?"""
     if len(blob) == 64:
+        from core.checkpoint import sha256_file
+
         return sha256_file(path) == blob
     git = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # noqa: S324 - git's own object id
     with path.open("rb") as handle:
@@ -163,6 +161,8 @@ def existing(
 
 def verify_sums(folder: Path) -> int:
     """Every file of `folder` listed in its SHA256SUMS with a matching hash, nothing unlisted; how many."""
+    from core.checkpoint import VerifyError, checkpoint_files, read_sha256sums, sha256_file
+
     try:
         sums = read_sha256sums(folder)
     except VerifyError as exc:
@@ -225,6 +225,8 @@ def fetch(
         "huggingface_hub": huggingface_hub.__version__,
     }
     (partial / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    from core.checkpoint import write_sha256sums
+
     write_sha256sums(partial)
     verify_sums(partial)
     if out.exists():

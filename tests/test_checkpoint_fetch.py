@@ -103,6 +103,13 @@ def test_a_small_file_is_checked_against_its_git_blob_id(tmp_path, offline):
         fetch(REPO, COMMIT, tmp_path / "out", cache_dir=cache)
 
 
+def test_the_sums_file_name_is_core_checkpoint_s():
+    from bcstack import fetch as fetch_module
+    from core import checkpoint
+
+    assert fetch_module.SUMS_FILE == checkpoint.SUMS_FILE
+
+
 def test_a_moving_revision_or_a_bad_repo_is_refused(tmp_path):
     with pytest.raises(FetchError, match="full 40-character commit hash"):
         fetch(REPO, "main", tmp_path / "out")
