@@ -161,22 +161,14 @@ def existing(
 
 def verify_sums(folder: Path) -> int:
     """Every file of `folder` listed in its SHA256SUMS with a matching hash, nothing unlisted; how many."""
-    from core.checkpoint import VerifyError, checkpoint_files, read_sha256sums, sha256_file
+    from core.checkpoint import VerifyError, check_hashes
 
     try:
-        sums = read_sha256sums(folder)
+        sums, unlisted = check_hashes(folder)
     except VerifyError as exc:
-        raise FetchError(str(exc)) from None
-    present = checkpoint_files(folder)
-    unlisted = sorted(set(present) - set(sums))
+        raise FetchError(f"{folder}: {exc}") from None
     if unlisted:
         raise FetchError(f"{folder}: {unlisted[0]} is not in {SUMS_FILE}")
-    for name, digest in sums.items():
-        path = folder / name
-        if not path.is_file():
-            raise FetchError(f"{folder}: {name} is listed in {SUMS_FILE} but missing")
-        if sha256_file(path) != digest:
-            raise FetchError(f"{folder}: {name} does not match its SHA-256 in {SUMS_FILE}")
     return len(sums)
 
 

@@ -188,7 +188,9 @@ def chat_template_source(folder: Path, tokenizer_config: Mapping[str, Any]) -> s
 # Verification
 
 
-def _check_hashes(folder: Path) -> tuple[dict[str, str], list[str]]:
+def check_hashes(folder: Path) -> tuple[dict[str, str], list[str]]:
+    """Every file listed in `folder`'s SHA256SUMS present with its hash (VerifyError on the first
+    that is not, or on a weight file not listed); (the sums, the other files not listed)."""
     sums = read_sha256sums(folder)
     for name, digest in sums.items():
         path = folder / name
@@ -306,7 +308,7 @@ def verify_checkpoint(
     folder = Path(path)
     if not folder.is_dir():
         raise VerifyError(f"{folder}: not a folder")
-    sums, unlisted = _check_hashes(folder)
+    sums, unlisted = check_hashes(folder)
 
     _require_listed(CONFIG_FILE, folder, sums, "model config")
     config = read_model_config(read_json(folder / CONFIG_FILE, CONFIG_FILE))

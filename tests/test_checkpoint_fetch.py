@@ -31,10 +31,9 @@ FILES = {
 }
 
 
-def hub_cache(root: Path, commit: str = COMMIT, files: dict = FILES) -> Path:
-    """A Hub cache holding REPO@commit: LFS files under their SHA-256, others under their git blob
-    SHA-1, each snapshot file a relative link into blobs/ (huggingface_hub's cache layout)."""
-    repo_dir = root / ("models--" + REPO.replace("/", "--"))
+def cache_files(repo_dir: Path, commit: str, files: dict[str, tuple[bytes, bool]]) -> None:
+    """Lay `files` ({name: (bytes, is LFS)}) into a Hub cache repository folder: LFS files under their
+    SHA-256, others under their git blob SHA-1, each snapshots/<commit>/ file a relative link."""
     for name, (data, lfs) in files.items():
         blob = (
             hashlib.sha256(data).hexdigest()
@@ -46,6 +45,13 @@ def hub_cache(root: Path, commit: str = COMMIT, files: dict = FILES) -> Path:
         link = repo_dir / "snapshots" / commit / name
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(repo_dir / "blobs" / blob, link.parent))
+
+
+def hub_cache(root: Path, commit: str = COMMIT, files: dict = FILES) -> Path:
+    """A Hub cache holding REPO@commit: LFS files under their SHA-256, others under their git blob
+    SHA-1, each snapshot file a relative link into blobs/ (huggingface_hub's cache layout)."""
+    repo_dir = root / ("models--" + REPO.replace("/", "--"))
+    cache_files(repo_dir, commit, files)
     (repo_dir / "refs").mkdir(exist_ok=True)
     (repo_dir / "refs" / "main").write_text(commit)
     return root
@@ -134,7 +140,9 @@ def test_another_model_in_out_needs_force_and_a_tampered_one_is_caught(tmp_path,
         fetch(REPO, COMMIT, out, cache_dir=cache)
     assert fetch(REPO, COMMIT, out, cache_dir=cache, force=True)["files"] == 5
     (out / "config.json").write_bytes(b"{}\n")
-    with pytest.raises(FetchError, match=f"config.json does not match its SHA-256 in {SUMS_FILE}"):
+    with pytest.raises(
+        FetchError, match=f"config.json: SHA256 mismatch \\(changed since {SUMS_FILE} was written\\)"
+    ):
         fetch(REPO, COMMIT, out, cache_dir=cache)
     (tmp_path / "plain").mkdir()
     with pytest.raises(FetchError, match="is not a fetched model"):
@@ -184,17 +192,7 @@ def dataset_cache(root: Path, shards: list[list[dict]], commit: str = COMMIT) ->
         buffer = io.BytesIO()
         pq.write_table(pa.Table.from_pylist(rows), buffer)
         files[f"data/train-{i:05d}-of-{len(shards):05d}.parquet"] = (buffer.getvalue(), True)
-    for name, (data, lfs) in files.items():
-        blob = (
-            hashlib.sha256(data).hexdigest()
-            if lfs
-            else hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()  # noqa: S324
-        )
-        (repo_dir / "blobs").mkdir(parents=True, exist_ok=True)
-        (repo_dir / "blobs" / blob).write_bytes(data)
-        link = repo_dir / "snapshots" / commit / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(repo_dir / "blobs" / blob, link.parent))
+    cache_files(repo_dir, commit, files)
     return root
 
 
