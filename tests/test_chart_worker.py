@@ -946,6 +946,10 @@ def test_the_reload_job_reloads_every_worker_from_inside_the_cluster(tmp_path: P
         m for m in render_chart(reload_values(checkpoint="/checkpoints/x/step-2")) if m["kind"] == "Job"
     ][0]
     assert again["metadata"]["name"] == job["metadata"]["name"] != other["metadata"]["name"]
+    roomier = next(
+        m for m in render_chart(reload_values(resources={"requests": {"cpu": "1"}})) if m["kind"] == "Job"
+    )
+    assert roomier["metadata"]["name"] == job["metadata"]["name"]  # resources alone reload nothing
     assert not [m for m in render_chart(worker()) if "reload" in m["metadata"]["name"]]
     # The real command takes these arguments: it gets as far as the canary questions file.
     canary = [
