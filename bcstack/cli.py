@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from bcstack import __version__, corpus, episodes_cli, fetch, reload_cli
+from bcstack import coordinator_cli as coordinator_ops
 from bcstack.evaluation.cli import app as eval_app
 from bcstack.rl import cli as rl_cli
 from bcstack.rl import report as rl_report
@@ -75,6 +76,11 @@ checkpoint_app.command("fetch")(fetch.command)
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(corpus.app, name="corpus")
 app.add_typer(reload_cli.app, name="worker", help="Operate running workers: rolling and canary hot reloads.")
+app.add_typer(
+    coordinator_ops.app,
+    name="coordinator",
+    help="Operate running coordinator gateways: swap the endpoint of every replica.",
+)
 app.add_typer(
     episodes_cli.app,
     name="episodes",

@@ -28,9 +28,14 @@ it runs, and the `put()` of the record removes the claim in the same transaction
 lease lapsed (its replica died) may be taken by another replica, which runs the episode again under
 the same id. `claim()` answers who holds the id when it is not the caller.
 
+**Settings.** A few small JSON documents that must outlive a restart and be the same on every
+replica (the coordinator's endpoints and which one is active): `write_setting(key, value)` stores
+one and bumps its version, `read_setting(key)` returns (version, value) or None. Last writer wins.
+
 SQLite schema versions (`PRAGMA user_version`): 2 added the columns the episode viewer filters on
 (`group_id`, `weight_versions` as a JSON list, `correct` from the record's grades), 3 the claims
-table. Older files are migrated in place when opened (one transaction); a newer one is refused.
+table, 4 the settings table. Older files are migrated in place when opened (one transaction); a
+newer one is refused.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SUMMARY_FIELDS = ("episode_id", "question_id", "status", "endpoint", "created_at")
 # Seconds a writer waits for another process holding the write lock before the put fails.
 BUSY_TIMEOUT_SECONDS = 30.0
@@ -64,6 +69,9 @@ MAX_BATCH = 512
 # SQLite: a background checkpoint starts once this much has been written since the last one, and
 # writers wait for it once four times as much is pending (the WAL's bound on disk).
 CHECKPOINT_BYTES = 16 << 20
+
+# The largest settings document (`write_setting`): settings are small; records go to `put`.
+MAX_SETTING_BYTES = 64 << 10
 
 # What `search()` returns per record.
 ROW_FIELDS = (
@@ -343,6 +351,26 @@ class RecordStore(abc.ABC):
     def release(self, episode_id: str, replica: str) -> None:
         """Drop `replica`'s claim on `episode_id` (an episode that ended unrecorded)."""
 
+    # --- settings --------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def read_setting(self, key: str) -> tuple[int, dict[str, Any]] | None:
+        """(version, value) of the setting `key`, or None when it was never written."""
+
+    @abc.abstractmethod
+    def write_setting(self, key: str, value: Mapping[str, Any]) -> int:
+        """Store `value` (a JSON object of at most MAX_SETTING_BYTES) under `key`, durably; returns
+        its new version (1 for the first write, then one more on each write, whoever writes)."""
+
+    @staticmethod
+    def _setting_json(key: str, value: Mapping[str, Any]) -> str:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"setting {key!r} must be a JSON object")
+        text = json.dumps(dict(value), separators=(",", ":"), sort_keys=True)
+        if len(text) > MAX_SETTING_BYTES:
+            raise ValueError(f"setting {key!r} is {len(text):,} bytes; at most {MAX_SETTING_BYTES:,}")
+        return text
+
     # --- reading ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -459,6 +487,15 @@ CREATE TABLE episode_claims (
     episode_id  TEXT PRIMARY KEY NOT NULL,
     replica     TEXT NOT NULL,
     lease_until REAL NOT NULL
+);
+"""
+# Version 3 -> 4: settings (`write_setting`), value as JSON text.
+_V4_SETTINGS = """
+CREATE TABLE store_settings (
+    key        TEXT PRIMARY KEY NOT NULL,
+    version    INTEGER NOT NULL,
+    value      TEXT NOT NULL,
+    updated_at REAL NOT NULL
 );
 """
 _V1_COLUMNS = ("episode_id", "question_id", "status", "endpoint", "created_at", "body")
@@ -623,13 +660,17 @@ class SqliteRecordStore(RecordStore):
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if version == 0 and not tables:
-                for statement in _statements(_SCHEMA + _V2_INDEXES + _V3_CLAIMS):
+                for statement in _statements(_SCHEMA + _V2_INDEXES + _V3_CLAIMS + _V4_SETTINGS):
                     conn.execute(statement)
             elif version == 1 and "episodes" in tables and self._columns(conn) == _V1_COLUMNS:
                 self._migrate_v1(conn)
                 self._migrate_v2(conn)
+                self._migrate_v3(conn)
             elif version == 2 and "episodes" in tables and self._columns(conn) == _COLUMNS:
                 self._migrate_v2(conn)
+                self._migrate_v3(conn)
+            elif version == 3 and "episodes" in tables and self._columns(conn) == _COLUMNS:
+                self._migrate_v3(conn)
             elif version > SCHEMA_VERSION and "episodes" in tables:
                 raise SchemaTooNew(
                     f"record file {self.path} has schema version {version}, newer than this bcstack's "
@@ -675,6 +716,11 @@ class SqliteRecordStore(RecordStore):
     def _migrate_v2(self, conn: sqlite3.Connection) -> None:
         """Version 2 -> 3: the claims table."""
         for statement in _statements(_V3_CLAIMS):
+            conn.execute(statement)
+
+    def _migrate_v3(self, conn: sqlite3.Connection) -> None:
+        """Version 3 -> 4: the settings table."""
+        for statement in _statements(_V4_SETTINGS):
             conn.execute(statement)
 
     def _read(self) -> sqlite3.Connection:
@@ -820,6 +866,34 @@ class SqliteRecordStore(RecordStore):
                 )
             except sqlite3.Error as exc:
                 raise RecordStoreError(f"cannot release episode {episode_id} in {self.path}: {exc}") from None
+
+    def read_setting(self, key: str) -> tuple[int, dict[str, Any]] | None:
+        with self._lock:
+            row = self._query("SELECT version, value FROM store_settings WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        try:
+            return row[0], json.loads(row[1])
+        except ValueError as exc:
+            raise RecordStoreError(f"setting {key!r} in {self.location} is damaged: {exc}") from None
+
+    def write_setting(self, key: str, value: Mapping[str, Any]) -> int:
+        text = self._setting_json(key, value)
+        with self._wlock:
+            conn = self._write()
+            try:
+                with _immediate(conn):
+                    conn.execute(
+                        "INSERT INTO store_settings (key, version, value, updated_at) VALUES (?, 1, ?, ?) "
+                        "ON CONFLICT (key) DO UPDATE SET version = store_settings.version + 1, "
+                        "value = excluded.value, updated_at = excluded.updated_at",
+                        (key, text, time.time()),
+                    )
+                    return conn.execute(
+                        "SELECT version FROM store_settings WHERE key = ?", (key,)
+                    ).fetchone()[0]
+            except sqlite3.Error as exc:
+                raise RecordStoreError(f"cannot write setting {key!r} to {self.path}: {exc}") from None
 
     def get(self, episode_id: str) -> dict[str, Any] | None:
         with self._lock:

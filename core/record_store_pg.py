@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -45,7 +45,7 @@ log = logging.getLogger("bcstack.records")
 logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
 
 # Each entry: (version, statements). Only ever appended; each runs once, in order, in one
-# transaction with the version bump. 1-2 mirror the SQLite file's history; 3 adds claims.
+# transaction with the version bump. 1-2 mirror the SQLite file's history; 3 adds claims, 4 settings.
 MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (
         1,
@@ -83,6 +83,17 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 episode_id  text PRIMARY KEY,
                 replica     text NOT NULL,
                 lease_until timestamptz NOT NULL
+            )""",
+        ),
+    ),
+    (
+        4,
+        (
+            """CREATE TABLE store_settings (
+                key        text PRIMARY KEY,
+                version    bigint NOT NULL,
+                value      jsonb NOT NULL,
+                updated_at timestamptz NOT NULL DEFAULT now()
             )""",
         ),
     ),
@@ -388,6 +399,26 @@ class PostgresRecordStore(RecordStore):
         self._run(f"release episode {episode_id}", release)
 
     # --- reading ---------------------------------------------------------------------------------
+
+    def read_setting(self, key: str) -> tuple[int, dict[str, Any]] | None:
+        rows = self._fetch(
+            f"read setting {key!r}", "SELECT version, value FROM store_settings WHERE key = %s", (key,)
+        )
+        return (int(rows[0][0]), rows[0][1]) if rows else None
+
+    def write_setting(self, key: str, value: Mapping[str, Any]) -> int:
+        text = self._setting_json(key, value)
+
+        def write(conn: psycopg.Connection) -> int:
+            with conn.transaction():
+                return conn.execute(
+                    "INSERT INTO store_settings (key, version, value) VALUES (%s, 1, %s::jsonb) "
+                    "ON CONFLICT (key) DO UPDATE SET version = store_settings.version + 1, "
+                    "value = excluded.value, updated_at = now() RETURNING version",
+                    (key, text),
+                ).fetchone()[0]
+
+        return int(self._run(f"write setting {key!r}", write))
 
     def _decode(self, episode_id: str, body: bytes) -> dict[str, Any]:
         try:

@@ -121,6 +121,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                 "probeOnStart": True,
                 "logLevel": "DEBUG",
                 "claimLeaseSeconds": 45,
+                "endpointSyncSeconds": 5,
             },
             "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
             "podDisruptionBudget": {"enabled": True},
@@ -315,9 +316,36 @@ def test_custom_endpoints_workers_and_settings_reach_the_gateway(
     assert settings.worker_full_wait_seconds == 120.0
     assert settings.probe_on_start is True and settings.log_level == "DEBUG"
     assert settings.claim_lease_seconds == 45
+    assert settings.endpoint_sync_seconds == 5
     # Settings left null keep the gateway's own defaults.
     assert settings.max_branches == CoordinatorSettings.model_fields["max_branches"].default
     assert (settings.port, settings.grpc_port) == (8003, 50053)  # the chart passes its ports as flags
+
+
+def test_the_runtime_keys_secret_is_mounted_whole_and_optional(
+    defaults: list[dict[str, Any]], custom: list[dict[str, Any]]
+) -> None:
+    """`bcstack coordinator swap --api-key-secret KEY` reads /var/run/secrets/bcstack/coordinator-keys/KEY:
+    a whole-Secret volume (a subPath mount would never see a key added later), optional (the Secret
+    may not exist yet), under the name NOTES.txt tells users to create."""
+    from bcstack.coordinator_cli import RUNTIME_KEYS_DIR
+
+    for manifests in (defaults, custom):
+        pod = next(
+            m
+            for m in manifests
+            if m["kind"] in ("StatefulSet", "Deployment") and "coordinator" in m["metadata"]["name"]
+        )["spec"]["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "runtime-keys")
+        assert volume["secret"]["optional"] is True
+        assert volume["secret"]["secretName"] == "bc-bcstack-coordinator-keys"
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "runtime-keys")
+        assert mount["mountPath"] == RUNTIME_KEYS_DIR and "subPath" not in mount and mount["readOnly"]
+    named = render_chart(coordinator(runtimeKeys={"secretName": "llm-keys"}))
+    pod = next(m for m in named if m["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    assert (
+        next(v for v in pod["volumes"] if v["name"] == "runtime-keys")["secret"]["secretName"] == "llm-keys"
+    )
 
 
 def test_default_workers_are_the_in_chart_worker_service(defaults: list[dict[str, Any]]) -> None:
@@ -941,7 +969,9 @@ def test_notes_describe_the_gateway() -> None:
     assert "Coordinator gateway: Deployment bc-bcstack-coordinator, 2-6 pods" in notes
     assert "minimax-m2.7 (MiniMaxAI/MiniMax-M2.7)" in notes and "active: backup" in notes
     assert "Records: PostgreSQL, shared by every pod: URL from Secret bcstack-records (key url)" in notes
-    assert "PUT localhost:9003/admin/coordinator" in notes
+    assert "every pod adopts it within 5 s" in notes
+    assert "kubectl create secret generic -n default bc-bcstack-coordinator-keys --from-literal=" in notes
+    assert "bcstack coordinator swap <endpoint name>" in notes and "--gateway http://localhost:9003" in notes
     defaults = render_notes(VALUE_SETS["defaults"])
     assert "Coordinator gateway: StatefulSet bc-bcstack-coordinator, 1 pod(s)" in defaults
     assert f"PersistentVolumeClaim records-{NAME}-0" in defaults and "scripted stand-in" in defaults

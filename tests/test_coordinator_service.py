@@ -360,6 +360,60 @@ def test_endpoint_swap_under_load_moves_only_new_episodes(stack):
         assert m[("bcstack_coordinator_active_endpoint_info", (("name", "b"),))] == 1
 
 
+def test_a_swap_reaches_every_replica_through_the_store_and_outlives_a_restart(stack):
+    """`bcstack coordinator swap` against two replicas sharing one record store: the change goes to
+    the first, the second adopts it from the store and runs its episodes on it; the key file appears
+    only after the command started (the kubelet writing a runtime keys Secret into the pods), and a
+    replica started afterwards comes up on the new endpoint."""
+    from typer.testing import CliRunner
+
+    from bcstack.cli import app
+
+    shared = str(stack["tmp"] / "swap-shared.sqlite")
+    key = stack["tmp"] / "runtime-keys" / "b"  # not there yet
+    a = [{"name": "a", **stack["llm_a"]}]
+    settings = {"records_path": shared, "endpoint_sync_seconds": 0.2}
+    env = {"BCSTACK_ADMIN_TOKEN": ADMIN}
+    with gateway(stack, "rep1", a, **settings) as g1, gateway(stack, "rep2", a, **settings) as g2:
+        urls = [_url(g1["http"]), _url(g2["http"])]
+        swap = ["coordinator", "swap", "b", "--base-url", stack["llm_b"]["base_url"], "--model", "coord-b"]
+        swap += ["--api-key-file", str(key), "--gateway", urls[0], "--gateway", urls[1], "--wait", "60"]
+
+        def kubelet() -> None:
+            time.sleep(1.5)
+            key.parent.mkdir(exist_ok=True)
+            key.write_text("sk-runtime-b\n")
+
+        with cf.ThreadPoolExecutor(1) as pool:
+            pool.submit(kubelet)
+            result = CliRunner().invoke(app, swap, env=env)
+        assert result.exit_code == 0, result.output
+        assert "waiting for the key" in result.output and "every replica (2) runs 'b'" in result.output
+        health = [httpx.get(f"{u}/health").json() for u in urls]
+        assert [h["endpoint"] for h in health] == ["b", "b"]
+        assert health[0]["endpoint_version"] == health[1]["endpoint_version"] == 1
+        view = httpx.get(f"{urls[1]}/admin/coordinator", headers=AUTH).json()
+        b_view = next(e for e in view["endpoints"] if e["name"] == "b")
+        assert b_view["api_key"] == f"file:{key}"  # where the key comes from, never the key
+        assert "sk-runtime-b" not in json.dumps(view) and "sk-runtime-b" not in result.output
+        q = stack["easy"][0]
+        record = post(g2, {"question": q["query"]}).json()  # rep2 never heard the PUT
+        assert record["status"] == "finish" and record["endpoint"] == "b"
+
+        dead = ["coordinator", "swap", "dead", "--base-url", _url(find_free_port(), "/v1"), "--model", "m"]
+        refused = CliRunner().invoke(app, [*dead, "--gateway", urls[0], "--wait", "0"], env=env)
+        assert refused.exit_code == 1 and "refused" in refused.output and "dead" in refused.output
+        assert [httpx.get(f"{u}/health").json()["endpoint_version"] for u in urls] == [1, 1]
+
+    with gateway(stack, "rep3", a, **settings) as g3:  # a replica (re)started after the swap
+        health = httpx.get(_url(g3["http"], "/health")).json()
+        assert health["endpoint"] == "b" and health["endpoint_version"] == 1
+        record = post(g3, {"question": stack["easy"][1]["query"]}).json()
+        assert record["endpoint"] == "b"
+        m = _metrics(g3["http"])
+        assert m[("bcstack_coordinator_active_endpoint_info", (("name", "b"),))] == 1
+
+
 def test_upstream_faults_and_a_killed_worker_never_lose_an_episode(stack):
     ports = {"w3": find_free_port(), "w3g": find_free_port()}
     w3_address = f"{LOCAL}:{ports['w3g']}"

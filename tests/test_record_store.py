@@ -419,7 +419,7 @@ def test_a_version_1_postgresql_database_is_migrated_with_its_filter_columns_fil
         assert [r["episode_id"] for r in rows] == ["old"]
         assert store.claim("old-claim", "r1", 30) is None  # version 3's table is there
     with psycopg.connect(pg_url) as conn:
-        assert conn.execute("SELECT version FROM bcstack_schema").fetchone()[0] == SCHEMA_VERSION == 3
+        assert conn.execute("SELECT version FROM bcstack_schema").fetchone()[0] == SCHEMA_VERSION == 4
 
 
 def test_a_postgresql_that_does_not_answer_is_one_line_without_the_password(tmp_path):
@@ -497,3 +497,35 @@ def test_claim_or_record_answers_the_record_or_the_claim_in_one_call(target):
         assert store.claim("ep", "r3", 30) is None  # the record's write dropped r1's claim
         assert store.claim_or_record("lapsed", "r1", -1) == (None, None)
         assert store.claim_or_record("lapsed", "r2", 30) == (None, None)  # taken over
+
+
+def test_settings_are_versioned_shared_and_outlive_the_store(target):
+    with open_record_store(target) as one, open_record_store(target) as two:
+        assert one.read_setting("coordinator.endpoints") is None
+        assert one.write_setting("coordinator.endpoints", {"active": "a"}) == 1
+        assert two.read_setting("coordinator.endpoints") == (1, {"active": "a"})  # another replica
+        assert two.write_setting("coordinator.endpoints", {"active": "b", "n": [1, 2]}) == 2
+        assert one.read_setting("coordinator.endpoints") == (2, {"active": "b", "n": [1, 2]})
+        assert one.read_setting("other") is None
+        with pytest.raises(ValueError, match="at most"):
+            one.write_setting("big", {"x": "y" * (70 << 10)})
+        with pytest.raises(ValueError, match="JSON object"):
+            one.write_setting("list", [1])  # type: ignore[arg-type]
+        assert one.read_setting("big") is None
+    with open_record_store(target) as again:  # a restarted replica reads what was written
+        assert again.read_setting("coordinator.endpoints") == (2, {"active": "b", "n": [1, 2]})
+
+
+def test_a_version_3_record_file_gains_the_settings_table(tmp_path):
+    path = tmp_path / "v3.sqlite"
+    with open_record_store(path) as store:
+        store.put(make_record("kept"))
+    conn = sqlite3.connect(path)  # what a version-3 bcstack left: no settings table
+    conn.execute("DROP TABLE store_settings")
+    conn.execute("PRAGMA user_version = 3")
+    conn.commit()
+    conn.close()
+    with open_record_store(path) as store:
+        assert store.get("kept")["episode_id"] == "kept"
+        assert store.write_setting("k", {"v": 1}) == 1
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 4

@@ -31,7 +31,7 @@ from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.kit.upstream import EndpointSpec
-from core.record_store import RecordExists, RecordStore, default_replica
+from core.record_store import RecordExists, RecordStore, RecordStoreError, default_replica
 from core.records import (
     CoordinatorLog,
     CoordinatorTurn,
@@ -48,9 +48,12 @@ from core.records import (
 from core.v1 import common_pb2, worker_pb2
 from services.coordinator.loop import Branch, CoordinatorEpisode, LoopLimits, run_episode
 from services.coordinator.metrics import CoordinatorMetrics
-from services.coordinator.registry import Endpoint, EndpointRegistry
+from services.coordinator.registry import Endpoint, EndpointRegistry, RegistryError
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.workers import WorkerPool
+
+# The record-store setting that holds the endpoints changed at runtime and the active one.
+ENDPOINT_STATE = "coordinator.endpoints"
 
 log = logging.getLogger("bcstack.coordinator")
 
@@ -278,6 +281,9 @@ class GatewayCore:
         self.replica = settings.replica_name or default_replica()
         self.lease_seconds = settings.claim_lease_seconds
         self._claimed: set[str] = set()  # ids this replica holds a claim on (renewed by heartbeat())
+        # The version of the stored endpoint state this replica runs (None: not read yet).
+        self.endpoint_version: int | None = None
+        self._sync_problem: str | None = None
 
     def limits_of(self, request: EpisodeRequest) -> LoopLimits:
         o = request.overrides or LoopOverrides()
@@ -479,12 +485,70 @@ class GatewayCore:
             self._finish(episode_id)
 
     async def put_endpoint(self, change: EndpointChange) -> dict[str, Any]:
+        """Probe, persist in the record store (every replica adopts it from there, and it outlives a
+        restart), then apply. RegistryError (refused) or RecordStoreError (not persisted): nothing
+        changed."""
+        await self.try_sync_endpoints()  # build on the newest stored state (last writer wins)
         before = self.registry.view()
         if change.endpoint is not None:
             self.metrics.endpoint_registered(change.endpoint.name)
-        view = await self.registry.put(change.endpoint, activate=change.activate)
-        swaps = view["swaps"] - before["swaps"]
+
+        async def persist(state: dict[str, Any]) -> None:
+            self.endpoint_version = await asyncio.to_thread(self.store.write_setting, ENDPOINT_STATE, state)
+
+        view = await self.registry.put(change.endpoint, activate=change.activate, commit=persist)
+        self._counted(before["swaps"], view)
+        return {**view, "version": self.endpoint_version}
+
+    def _counted(self, swaps_before: int, view: dict[str, Any]) -> None:
+        swaps = view["swaps"] - swaps_before
         if swaps > 0:
             self.metrics.swaps.inc(swaps)
         self.metrics.active_endpoint.info({"name": view["active"]})
-        return view
+
+    async def sync_endpoints(self) -> bool:
+        """Adopt the stored endpoint state when it is newer than what runs here; whether it was.
+        RecordStoreError when the store cannot be read; RegistryError when the state cannot be
+        adopted yet (a key file the kubelet has not written yet): both retried by the caller."""
+        stored = await asyncio.to_thread(self.store.read_setting, ENDPOINT_STATE)
+        version, state = stored if stored is not None else (0, None)
+        if self.endpoint_version is not None and version <= self.endpoint_version:
+            return False
+        before = self.registry.view()
+        if state is not None:
+            for spec in state.get("endpoints", []):
+                if isinstance(spec, dict) and isinstance(spec.get("name"), str):
+                    self.metrics.endpoint_registered(spec["name"])
+            if await self.registry.adopt(state):
+                log.info(
+                    "coordinator endpoint '%s' active here from the record store (version %d)",
+                    self.registry.view()["active"],
+                    version,
+                )
+        self.endpoint_version = version
+        self._counted(before["swaps"], self.registry.view())
+        return True
+
+    @property
+    def sync_problem(self) -> str | None:
+        """Why the stored endpoint state could not be adopted the last time (None: it was)."""
+        return self._sync_problem
+
+    async def try_sync_endpoints(self) -> None:
+        """`sync_endpoints()`, its failure kept in `sync_problem` and logged once per new problem."""
+        try:
+            await self.sync_endpoints()
+            if self._sync_problem is not None:
+                log.info("coordinator endpoint state in sync with the record store again")
+            self._sync_problem = None
+        except (RecordStoreError, RegistryError) as exc:
+            if str(exc) != self._sync_problem:
+                log.error("cannot adopt the stored coordinator endpoint state: %s", exc)
+            self._sync_problem = str(exc)
+
+    async def follow_endpoints(self) -> None:
+        """Keep this replica on the stored endpoint state (the swaps other replicas make), every
+        `endpoint_sync_seconds`, for as long as the gateway runs."""
+        while True:
+            await asyncio.sleep(self.settings.endpoint_sync_seconds)
+            await self.try_sync_endpoints()

@@ -8,13 +8,19 @@ Replaced clients are closed in `aclose()`, not earlier: an episode may still be 
 
 Nothing changes unless the endpoint to be added, changed or activated answers a probe
 (GET /models listing its model) with its key; a refused change leaves the registry as it was.
+
+**Runtime state.** What was changed at runtime (the specs put, and the active name) is
+`runtime_state()`, a JSON document the gateway persists in its record store (`put(commit=...)`
+writes it before the change takes effect) and every replica `adopt()`s from there: a swap reaches
+the replicas that share the store and outlives a restart. The configured endpoints stay as they
+are unless a runtime spec of the same name replaces them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -122,6 +128,8 @@ class EndpointRegistry:
                 # The clients built so far have opened no connection: nothing to close.
                 raise RegistryError(f"endpoint '{spec.name}': {exc.reason}") from None
         self._active = active if active is not None else names[0]
+        self._runtime: dict[str, EndpointSpec] = {}  # specs put (or adopted) at runtime, by name
+        self._runtime_active: str | None = None  # the active name once changed at runtime
         self._swaps = 0
         self._retired: list[UpstreamClient] = []
         self._lock = asyncio.Lock()
@@ -156,11 +164,30 @@ class EndpointRegistry:
 
     # --- changing ---------------------------------------------------------------------------
 
-    async def put(self, spec: EndpointSpec | None = None, *, activate: str | None = None) -> dict[str, Any]:
+    def runtime_state(self, spec: EndpointSpec | None = None, activate: str | None = None) -> dict[str, Any]:
+        """The runtime changes as a JSON document, with `spec` put and `activate` made active."""
+        runtime = dict(self._runtime)
+        if spec is not None:
+            runtime[spec.name] = spec
+        active = activate if activate is not None else self._runtime_active
+        return {
+            "active": active,
+            "endpoints": [s.model_dump(mode="json") for s in runtime.values()],
+        }
+
+    async def put(
+        self,
+        spec: EndpointSpec | None = None,
+        *,
+        activate: str | None = None,
+        commit: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+    ) -> dict[str, Any]:
         """Add or change the endpoint `spec`, and/or make `activate` the active one; returns view().
 
         What would be added, changed or activated is probed first with its key; on any failure
-        RegistryError ("endpoint 'b' refused: connection refused") and nothing changes.
+        RegistryError ("endpoint 'b' refused: connection refused") and nothing changes. `commit`
+        (given the new `runtime_state()`) runs after the probes and before anything changes: when
+        it raises, nothing changes and its exception propagates.
         """
         if spec is None and activate is None:
             raise RegistryError("nothing to change: give an endpoint spec, an endpoint to activate, or both")
@@ -196,24 +223,79 @@ class EndpointRegistry:
                     if candidate is not None:
                         await candidate.client.aclose()
                     raise RegistryError(f"endpoint '{endpoint.name}' refused: {exc.reason}") from None
+            if commit is not None:
+                try:
+                    await commit(self.runtime_state(spec, activate))
+                except BaseException:
+                    if candidate is not None:
+                        await candidate.client.aclose()
+                    raise
+            if spec is not None:
+                self._runtime[spec.name] = spec
+            if activate is not None:
+                self._runtime_active = activate
+            return self._install(candidate, activate)
 
-            swapped = False
-            if candidate is not None:
-                replaced = self._endpoints.get(candidate.name)
-                self._endpoints[candidate.name] = candidate
-                if replaced is None:
-                    log.info("coordinator endpoint '%s' added (%s)", candidate.name, candidate.describe())
-                else:
-                    self._retired.append(replaced.client)
-                    swapped = candidate.name == self._active
-                    log.info("coordinator endpoint '%s' changed (%s)", candidate.name, candidate.describe())
-            if activate is not None and activate != self._active:
-                self._active = activate
-                swapped = True
-                log.info("coordinator endpoint '%s' activated (%s)", activate, self.active().describe())
+    async def adopt(self, state: dict[str, Any]) -> bool:
+        """Take on runtime changes another replica made (or this one, before a restart): the specs
+        in `state` replace or join the endpoints, its active name becomes active. Not probed (the
+        replica that made the change probed it; the breaker guards each call). Whether the active
+        endpoint changed. RegistryError when `state` is malformed or names an unknown endpoint."""
+        try:
+            specs = [EndpointSpec.model_validate(item) for item in state.get("endpoints", [])]
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise RegistryError(f"the stored endpoint state is malformed: {exc}") from None
+        activate = state.get("active")
+        async with self._lock:
+            if self._closed:
+                raise RegistryError("the endpoint registry is closed")
+            names = set(self._endpoints) | {spec.name for spec in specs}
+            if activate is not None and activate not in names:
+                raise RegistryError(f"the stored endpoint state activates unknown endpoint '{activate}'")
+            built: list[Endpoint] = []
+            for spec in specs:
+                current = self._endpoints.get(spec.name)
+                if current is not None and current.spec == spec:
+                    continue
+                try:
+                    built.append(self._build(spec))
+                except UpstreamError as exc:
+                    for endpoint in built:
+                        await endpoint.client.aclose()
+                    raise RegistryError(f"stored endpoint '{spec.name}': {exc.reason}") from None
+            before = self.active()
+            for endpoint in built:
+                self._install(endpoint, None, count=False)
+            self._runtime = {spec.name: spec for spec in specs}
+            self._runtime_active = activate
+            if activate is not None:
+                self._install(None, activate, count=False)
+            swapped = self.active() is not before
             if swapped:
                 self._swaps += 1
-            return self.view()
+            return swapped
+
+    def _install(
+        self, candidate: Endpoint | None, activate: str | None, *, count: bool = True
+    ) -> dict[str, Any]:
+        """Put `candidate` in place and make `activate` active (both checked); returns view()."""
+        swapped = False
+        if candidate is not None:
+            replaced = self._endpoints.get(candidate.name)
+            self._endpoints[candidate.name] = candidate
+            if replaced is None:
+                log.info("coordinator endpoint '%s' added (%s)", candidate.name, candidate.describe())
+            else:
+                self._retired.append(replaced.client)
+                swapped = candidate.name == self._active
+                log.info("coordinator endpoint '%s' changed (%s)", candidate.name, candidate.describe())
+        if activate is not None and activate != self._active:
+            self._active = activate
+            swapped = True
+            log.info("coordinator endpoint '%s' activated (%s)", activate, self.active().describe())
+        if swapped and count:
+            self._swaps += 1
+        return self.view()
 
     async def probe_active(self) -> None:
         """Probe the active endpoint; RegistryError with the reason when it does not answer."""

@@ -75,6 +75,11 @@ def build_http(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if records_ready(core.store):
+            # A swap made before this replica (re)started is adopted before it serves; when it cannot
+            # be (a stored endpoint whose key file is not here yet) the replica is not ready and says
+            # why in /health until follow_endpoints() adopts it.
+            await core.try_sync_endpoints()
         if settings.probe_on_start:
             await core.registry.probe_active()
         log.info(
@@ -87,6 +92,7 @@ def build_http(
         tasks = [asyncio.create_task(core.heartbeat())]
         if not records_ready(core.store):
             tasks.append(asyncio.create_task(connect_records(core.store)))
+        tasks.append(asyncio.create_task(core.follow_endpoints()))
         yield
         if background:  # streamed episodes whose client left: they still finish and are recorded
             await asyncio.wait(background, timeout=settings.shutdown_grace_seconds)
@@ -100,12 +106,21 @@ def build_http(
         health_check=lambda: {
             "active_episodes": core.active,
             "endpoint": core.registry.view()["active"],
+            "endpoint_version": core.endpoint_version,
             "uptime_s": round(time.time() - started),
             "replica": core.replica,
             **(
                 {}
                 if records_ready(core.store)
                 else {"status": "unavailable", "records": f"waiting for {core.store.location}"}
+            ),
+            **(
+                {
+                    "status": "unavailable",
+                    "endpoints": core.sync_problem or "not yet read from the record store",
+                }
+                if records_ready(core.store) and core.endpoint_version is None
+                else {}
             ),
         },
         lifespan=lifespan,

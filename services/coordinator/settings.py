@@ -51,6 +51,13 @@ class CoordinatorSettings(ServiceSettings):
     probe_on_start: bool = Field(
         False, description="probe the active endpoint at start and refuse to start when it is dead"
     )
+    endpoint_sync_seconds: float = Field(
+        2.0,
+        gt=0,
+        le=300,
+        description="how often a replica reads the endpoint state the record store holds (a swap made "
+        "on any replica sharing the store reaches this one within it)",
+    )
 
     # --- workers ---
     workers: Annotated[list[str], NoDecode] = Field(

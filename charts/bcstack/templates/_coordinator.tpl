@@ -190,7 +190,7 @@ Takes (dict "context" $ "c" $c).
 {{- $_ := set $config $setting ($value | int64) }}
 {{- end }}
 {{- end }}
-{{- range $key, $setting := dict "wallTimeSeconds" "wall_time_seconds" "workerTimeoutSeconds" "worker_timeout_seconds" "workerFullWaitSeconds" "worker_full_wait_seconds" "breakerResetSeconds" "breaker_reset_seconds" "claimLeaseSeconds" "claim_lease_seconds" }}
+{{- range $key, $setting := dict "wallTimeSeconds" "wall_time_seconds" "workerTimeoutSeconds" "worker_timeout_seconds" "workerFullWaitSeconds" "worker_full_wait_seconds" "breakerResetSeconds" "breaker_reset_seconds" "claimLeaseSeconds" "claim_lease_seconds" "endpointSyncSeconds" "endpoint_sync_seconds" }}
 {{- $value := index $s $key }}
 {{- if not (kindIs "invalid" $value) }}
 {{- $_ := set $config $setting ($value | float64) }}
@@ -462,10 +462,21 @@ spec:
           mountPath: /tmp
         - name: home
           mountPath: /home/bcstack
+        {{- /* The runtime keys Secret as a whole directory (not subPath): the kubelet writes a key
+        added to it into every running pod within about a minute, so `bcstack coordinator swap
+        --api-key-secret KEY` needs no restart. Optional: the Secret may be created later. */}}
+        - name: runtime-keys
+          mountPath: /var/run/secrets/bcstack/coordinator-keys
+          readOnly: true
   volumes:
     - name: config
       configMap:
         name: {{ $name }}
+    - name: runtime-keys
+      secret:
+        secretName: {{ $c.runtimeKeys.secretName | default (printf "%s-keys" $name) }}
+        optional: true
+        defaultMode: 0440
     {{- if and $sqlite (not $persistence.enabled) }}
     - name: records
       emptyDir: {}
