@@ -149,7 +149,7 @@ def gpus_requested(manifests: list[dict[str, Any]]) -> int:
     return total
 
 
-@pytest.mark.parametrize(("name", "gpus"), [("one-gpu", 1), ("eight-gpu", 8), ("rl-training", 8)])
+@pytest.mark.parametrize(("name", "gpus"), [("cpu", 0), ("one-gpu", 1), ("eight-gpu", 8), ("rl-training", 8)])
 def test_a_gpu_preset_holds_the_gpus_its_name_says(name: str, gpus: int) -> None:
     assert gpus_requested(render_chart(load(CHART_DIR / "presets" / f"{name}.yaml"))) == gpus
 

@@ -753,6 +753,13 @@ NULLABLE_WORKER_KEYS = {
     "engine.resources.requests.cpu",
     "engine.resources.requests.memory",
     "engine.resources.limits.memory",
+    # engine.kind cpu's resources: a null drops that request or limit (or all of them).
+    "engine.cpu.resources",
+    "engine.cpu.resources.requests",
+    "engine.cpu.resources.requests.cpu",
+    "engine.cpu.resources.requests.memory",
+    "engine.cpu.resources.limits",
+    "engine.cpu.resources.limits.memory",
     "podDisruptionBudget.maxUnavailable",
     "resources.requests.cpu",
     "resources.requests.memory",

@@ -127,7 +127,7 @@ secretKeyRef. Takes (dict "context" $ "w" $w).
 - name: BCSTACK_WORKER_RETRIEVAL_ADDRESS
   value: {{ include "bcstack.worker.retrievalAddress" . | quote }}
 - name: BCSTACK_WORKER_TOKENIZER
-  value: {{ $w.model.tokenizer | default $w.model.path | quote }}
+  value: {{ if eq $w.engine.kind "cpu" }}"/kit/tiny"{{ else }}{{ $w.model.tokenizer | default $w.model.path | quote }}{{ end }}
 - name: BCSTACK_WORKER_CONTEXT_LENGTH
   value: {{ $w.contextLength | int64 | toString | quote }}
 {{- /* POST /admin/reload loads checkpoints from the checkpoint volume, which SGLang mounts at the
@@ -158,4 +158,103 @@ after the sidecar (the service's own default is 10 s: far too short for an episo
   value: {{ $value | toString | quote }}
 {{- end }}
 {{- include "bcstack.adminTokenEnv" $ctx }}
+{{- end }}
+
+{{/*
+engine.kind cpu: the init container that builds the tiny model into the pod's kit volume, then
+bcstack's CPU engine as the native sidecar SGLang would be (same port, probes and admin token; its
+routes are SGLang's native API). Runs the bcstack image as the stack's non-root user. Takes
+(dict "context" $ "w" $w).
+*/}}
+{{- define "bcstack.worker.cpuEngine" -}}
+{{- $ctx := .context }}
+{{- $w := .w }}
+{{- $e := $w.engine }}
+{{- $mount := trimSuffix "/" $w.checkpoints.mountPath }}
+- name: tiny-model
+  image: {{ include "bcstack.image" (dict "context" $ctx "image" $w.image) }}
+  imagePullPolicy: {{ $w.image.pullPolicy | default $ctx.Values.image.pullPolicy }}
+  command: ["bcstack", "model", "tiny"]
+  args: ["--out", "/kit/tiny"]
+  envFrom:
+    - configMapRef:
+        name: {{ include "bcstack.commonConfigName" $ctx }}
+  {{- with $e.cpu.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- include "bcstack.worker.securityContext" . | nindent 4 }}
+  volumeMounts:
+    - name: kit
+      mountPath: /kit
+    - name: tmp
+      mountPath: /tmp
+    - name: home
+      mountPath: /home/bcstack
+- name: engine
+  restartPolicy: Always
+  image: {{ include "bcstack.image" (dict "context" $ctx "image" $w.image) }}
+  imagePullPolicy: {{ $w.image.pullPolicy | default $ctx.Values.image.pullPolicy }}
+  command: ["bcstack", "serve", "engine"]
+  args:
+    - --host
+    - 0.0.0.0
+    - --port
+    - {{ $e.port | int64 | quote }}
+    - --served-model-name
+    - {{ $w.model.servedModelName | quote }}
+    - --context-length
+    - {{ $w.contextLength | int64 | quote }}
+    {{- if eq $e.cpu.policy "expert" }}
+    - --policy
+    - expert
+    - --tokenizer
+    - /kit/tiny
+    {{- else }}
+    - --model
+    - /kit/tiny
+    {{- end }}
+  ports:
+    - name: engine
+      containerPort: {{ $e.port | int64 }}
+      protocol: TCP
+  envFrom:
+    - configMapRef:
+        name: {{ include "bcstack.commonConfigName" $ctx }}
+  env:
+    - name: HF_HUB_OFFLINE
+      value: "1"
+    {{- include "bcstack.adminTokenEnv" $ctx | nindent 4 }}
+  startupProbe:
+    httpGet:
+      path: /health_generate
+      port: engine
+    periodSeconds: {{ $e.probes.startup.periodSeconds }}
+    timeoutSeconds: {{ $e.probes.startup.timeoutSeconds }}
+    failureThreshold: {{ $e.probes.startup.failureThreshold }}
+  livenessProbe:
+    httpGet:
+      path: /health
+      port: engine
+    periodSeconds: {{ $e.probes.liveness.periodSeconds }}
+    timeoutSeconds: {{ $e.probes.liveness.timeoutSeconds }}
+    failureThreshold: {{ $e.probes.liveness.failureThreshold }}
+  {{- with $e.cpu.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- include "bcstack.worker.securityContext" . | nindent 4 }}
+  volumeMounts:
+    - name: kit
+      mountPath: /kit
+      readOnly: true
+    - name: checkpoints
+      mountPath: {{ $mount | quote }}
+      readOnly: true
+    - name: tmp
+      mountPath: /tmp
+    - name: home
+      mountPath: /home/bcstack
 {{- end }}
