@@ -231,3 +231,24 @@ def test_the_cpu_preset_pods_serve_an_episode_and_pass_helm_test(tmp_path: Path,
         assert (records / "coordinator-records.sqlite").is_file()  # on the StatefulSet's claim
 
         kubelet.run_to_completion("Pod", "bc-bcstack-smoke-test")  # `helm test`
+
+
+def test_the_cpu_engine_runs_the_common_image_whatever_the_worker_image() -> None:
+    """The worker image has no torch (docker/worker.Dockerfile, WITH_TORCH=false); `bcstack model
+    tiny` and the CPU engine need it, so they run the common image even when `make images`' --set
+    lines point worker.image at bcstack-worker."""
+    values = yaml.safe_load((CHART_DIR / "presets" / "cpu.yaml").read_text())
+    values["worker"]["image"] = {"repository": "browsecomp-stack/bcstack-worker"}
+    worker = next(
+        m
+        for m in render_chart(values)
+        if m["kind"] == "Deployment" and m["metadata"]["name"] == "bc-bcstack-worker"
+    )
+    spec = worker["spec"]["template"]["spec"]
+    images = {c["name"]: c["image"] for c in [*spec["initContainers"], *spec["containers"]]}
+    assert images == {
+        "tiny-model": "ghcr.io/browsecomp-stack/bcstack:0.1.0",
+        "engine": "ghcr.io/browsecomp-stack/bcstack:0.1.0",
+        "worker": "ghcr.io/browsecomp-stack/bcstack-worker:0.1.0",
+    }
+    assert not any("nvidia.com/gpu" in str(c.get("resources")) for c in spec["initContainers"])

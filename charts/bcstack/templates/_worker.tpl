@@ -163,7 +163,8 @@ after the sidecar (the service's own default is 10 s: far too short for an episo
 {{/*
 engine.kind cpu: the init container that builds the tiny model into the pod's kit volume, then
 bcstack's CPU engine as the native sidecar SGLang would be (same port, probes and admin token; its
-routes are SGLang's native API). Runs the bcstack image as the stack's non-root user. Takes
+routes are SGLang's native API). Both run the common image (`image`, every extra and CPU torch),
+not worker.image: the worker image has no torch. As the stack's non-root user. Takes
 (dict "context" $ "w" $w).
 */}}
 {{- define "bcstack.worker.cpuEngine" -}}
@@ -172,8 +173,8 @@ routes are SGLang's native API). Runs the bcstack image as the stack's non-root 
 {{- $e := $w.engine }}
 {{- $mount := trimSuffix "/" $w.checkpoints.mountPath }}
 - name: tiny-model
-  image: {{ include "bcstack.image" (dict "context" $ctx "image" $w.image) }}
-  imagePullPolicy: {{ $w.image.pullPolicy | default $ctx.Values.image.pullPolicy }}
+  image: {{ include "bcstack.image" $ctx }}
+  imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
   command: ["bcstack", "model", "tiny"]
   args: ["--out", "/kit/tiny"]
   envFrom:
@@ -194,8 +195,8 @@ routes are SGLang's native API). Runs the bcstack image as the stack's non-root 
       mountPath: /home/bcstack
 - name: engine
   restartPolicy: Always
-  image: {{ include "bcstack.image" (dict "context" $ctx "image" $w.image) }}
-  imagePullPolicy: {{ $w.image.pullPolicy | default $ctx.Values.image.pullPolicy }}
+  image: {{ include "bcstack.image" $ctx }}
+  imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
   command: ["bcstack", "serve", "engine"]
   args:
     - --host
