@@ -34,6 +34,7 @@ import yaml
 from conftest import find_free_port
 from helm_harness import CHART_DIR, render_chart
 from stack_util import bcstack_forked, bcstack_process
+from tutorial_util import commands, localized
 
 TOKEN = "cpu-preset-admin-token-0123456789"
 # A Service's DNS name (optionally namespace-qualified) before ":<port>": the release's Services.
@@ -231,6 +232,26 @@ def test_the_cpu_preset_pods_serve_an_episode_and_pass_helm_test(tmp_path: Path,
         assert (records / "coordinator-records.sqlite").is_file()  # on the StatefulSet's claim
 
         kubelet.run_to_completion("Pod", "bc-bcstack-smoke-test")  # `helm test`
+
+        # docs/tutorials/01-cpu-preset-on-kind.md's `bash tested` block, as written, against these
+        # pods: the port-forwards' URLs are the pods' ports here, and the questions the cluster's
+        # world (the session's toy world) instead of the 2,000-document one the tutorial generates.
+        lines = commands("01-cpu-preset-on-kind.md", tested=True)
+        assert [argv[1] for argv in lines] == ["toyworld", "smoke", "eval", "eval"]
+        replacements = {
+            "http://localhost:8003": gateway,
+            "http://localhost:8005": f"http://127.0.0.1:{ports['j_http']}",
+            "world": str(tmp_path / "world"),
+            "world/questions.jsonl": str(toy_kit["dir"] / "world" / "questions.jsonl"),
+            "eval-cpu": str(tmp_path / "eval-cpu"),
+        }
+        outputs = []
+        for argv in lines:
+            done = bcstack_forked(localized(argv, replacements)[1:], timeout=300)
+            assert done.returncode == 0, f"{' '.join(argv)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+            outputs.append(done.stdout)
+        assert (tmp_path / "world" / "questions.jsonl").is_file()
+        assert "12/12 (100.00%)" in outputs[-1]  # the expert, through every pod of the preset
 
 
 def test_the_cpu_engine_runs_the_common_image_whatever_the_worker_image() -> None:

@@ -158,6 +158,28 @@ def test_eval_run_and_report_against_the_stack(stack, tmp_path):
     assert all((out / f).is_file() for f in ("report.md", "report.json", "report.png"))
 
 
+def test_tutorial_00_commands_run_as_written(stack, tmp_path):
+    """docs/tutorials/00-laptop.md's `bash tested` block, each command as written, on this stack:
+    its state folder for .bcstack (whose world is the session's toy world), a scratch folder for
+    the evaluation."""
+    from tutorial_util import commands, localized
+
+    lines = commands("00-laptop.md", tested=True)
+    assert [argv[1] for argv in lines] == ["smoke", "eval", "eval"]
+    replacements = {
+        ".bcstack/world/questions.jsonl": str(stack["questions"]),
+        ".bcstack": str(stack["state"]),
+        "eval-expert": str(tmp_path / "eval-expert"),
+    }
+    outputs = []
+    for argv in lines:
+        done = bcstack(*localized(argv, replacements)[1:])
+        assert done.returncode == 0, f"{' '.join(argv)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        outputs.append(done.stdout)
+    assert len(judgements(tmp_path / "eval-expert")) == 12  # --limit 12
+    assert "12/12 (100.00%)" in outputs[-1]  # the expert answers every toy question
+
+
 def test_a_killed_eval_run_resumes_without_redoing_or_losing_questions(stack, tmp_path):
     out = tmp_path / "killed"
     cmd = [

@@ -199,6 +199,6 @@ The presets named must exist (tests/test_chart.py, tests/test_chart_presets.py).
 {{- define "bcstack.requireComponent" -}}
 {{- $v := .Values -}}
 {{- if not (or $v.retrieval.enabled $v.worker.enabled $v.coordinator.enabled $v.judge.enabled $v.trainer.enabled) -}}
-{{- fail "bcstack: no component is enabled, so this would install nothing; start from a preset (-f charts/bcstack/presets/one-gpu.yaml, eight-gpu.yaml or rl-training.yaml; their headers say what each runs) or enable components (--set retrieval.enabled=true, worker, coordinator, judge, trainer)" -}}
+{{- fail "bcstack: no component is enabled, so this would install nothing; start from a preset (-f charts/bcstack/presets/one-gpu.yaml, eight-gpu.yaml, rl-training.yaml, or cpu.yaml for a cluster without a GPU; their headers say what each runs) or enable components (--set retrieval.enabled=true, worker, coordinator, judge, trainer)" -}}
 {{- end -}}
 {{- end -}}
