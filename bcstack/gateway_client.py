@@ -87,6 +87,12 @@ async def run_episode(
                 ) from None
             await away(str(e) or type(e).__name__)  # recorded: the next POST answers from the records
             continue
+        if stored.status_code in (502, 503, 504) and body.get("episode_id"):
+            # The front lost the replica it sent the read to (killed between the answer and the
+            # read), or the replica cannot reach the store for now: the episode is recorded, so the
+            # next POST of the same id answers from the records, on any replica.
+            await away(f"reading episode {episode_id}: the gateway answered {stored.status_code}")
+            continue
         if stored.status_code != 200:
             raise GatewayError(f"the gateway has no record of episode {episode_id} ({stored.status_code})")
         try:

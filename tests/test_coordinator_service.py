@@ -15,7 +15,9 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -24,6 +26,7 @@ import yaml
 from conftest import find_free_port, link_toy_kit, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from stack_util import bcstack_process, bcstack_processes, retrieval_spec
+from test_worker_rolling import StandInApiServer, _kubeconfig, _pod
 
 from core.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -83,8 +86,17 @@ def worker(stack, http: int, grpc_port: int, env: dict[str, str] | None = None):
 
 
 @contextlib.contextmanager
-def gateway(stack, name: str, endpoints: list[dict], workers: list[str] | None = None, **settings):
-    http, grpc_port = find_free_port(), find_free_port()
+def gateway(
+    stack,
+    name: str,
+    endpoints: list[dict],
+    workers: list[str] | None = None,
+    *,
+    host: str = LOCAL,
+    http: int | None = None,
+    **settings,
+):
+    http, grpc_port = http or find_free_port(), find_free_port()
     config = {
         "endpoints": [
             {"name": e["name"], "base_url": e["base_url"], "model": e["model"], **e.get("extra", {})}
@@ -99,8 +111,9 @@ def gateway(stack, name: str, endpoints: list[dict], workers: list[str] | None =
     path = stack["tmp"] / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     args = ["serve", "coordinator", "--config", str(path), "--port", str(http), "--grpc-port", str(grpc_port)]
+    args += ["--host", host]
     with bcstack_process(
-        args, _url(http, "/health"), env={"BCSTACK_ADMIN_TOKEN": ADMIN}, forked=True
+        args, f"http://{host}:{http}/health", env={"BCSTACK_ADMIN_TOKEN": ADMIN}, forked=True
     ) as proc:
         yield {"http": http, "grpc": grpc_port, "proc": proc, "args": args, "config": config}
 
@@ -364,7 +377,8 @@ def test_a_swap_reaches_every_replica_through_the_store_and_outlives_a_restart(s
     """`bcstack coordinator swap` against two replicas sharing one record store: the change goes to
     the first, the second adopts it from the store and runs its episodes on it; the key file appears
     only after the command started (the kubelet writing a runtime keys Secret into the pods), and a
-    replica started afterwards comes up on the new endpoint."""
+    replica started afterwards comes up on the new endpoint. A second swap finds the replicas through
+    the Kubernetes API (a stand-in API server listing two "pods" on 127.0.0.1 and 127.0.0.2)."""
     from typer.testing import CliRunner
 
     from bcstack.cli import app
@@ -374,8 +388,12 @@ def test_a_swap_reaches_every_replica_through_the_store_and_outlives_a_restart(s
     a = [{"name": "a", **stack["llm_a"]}]
     settings = {"records_path": shared, "endpoint_sync_seconds": 0.2}
     env = {"BCSTACK_ADMIN_TOKEN": ADMIN}
-    with gateway(stack, "rep1", a, **settings) as g1, gateway(stack, "rep2", a, **settings) as g2:
-        urls = [_url(g1["http"]), _url(g2["http"])]
+    port = find_free_port()  # two "pods", 127.0.0.1 and 127.0.0.2, on one port as a Service's pods are
+    with (
+        gateway(stack, "rep1", a, http=port, **settings) as g1,
+        gateway(stack, "rep2", a, host="127.0.0.2", http=port, **settings) as g2,
+    ):
+        urls = [_url(g1["http"]), f"http://127.0.0.2:{port}"]
         swap = ["coordinator", "swap", "b", "--base-url", stack["llm_b"]["base_url"], "--model", "coord-b"]
         swap += ["--api-key-file", str(key), "--gateway", urls[0], "--gateway", urls[1], "--wait", "60"]
 
@@ -405,13 +423,38 @@ def test_a_swap_reaches_every_replica_through_the_store_and_outlives_a_restart(s
         assert refused.exit_code == 1 and "refused" in refused.output and "dead" in refused.output
         assert [httpx.get(f"{u}/health").json()["endpoint_version"] for u in urls] == [1, 1]
 
-    with gateway(stack, "rep3", a, **settings) as g3:  # a replica (re)started after the swap
+        # Back to a, the replicas found through the Kubernetes API (`--k8s-selector`): the change
+        # goes to the first pod, and every pod listed is checked.
+        pods = {
+            "research": [
+                _pod("gw-0", "Running", "127.0.0.1", "coordinator"),
+                _pod("gw-1", "Running", "127.0.0.2", "coordinator"),
+            ]
+        }
+        with StandInApiServer(pods) as api, tempfile.TemporaryDirectory() as kube:
+            selector = "app.kubernetes.io/instance=bc,app.kubernetes.io/component=coordinator"
+            back = CliRunner().invoke(
+                app,
+                ["coordinator", "swap", "a", "--k8s-selector", selector, "--port", str(port), "--wait", "30"],
+                env={
+                    **env,
+                    "KUBECONFIG": str(_kubeconfig(Path(kube) / "config", api.url)),
+                    "KUBERNETES_SERVICE_HOST": "",
+                },
+            )
+        assert back.exit_code == 0, back.output
+        assert "every replica (2) runs 'a'" in back.output and "127.0.0.2" in back.output
+        assert [httpx.get(f"{u}/health").json()["endpoint"] for u in urls] == ["a", "a"]
+
+    with gateway(stack, "rep3", a, **settings) as g3:  # a replica (re)started after the swaps
         health = httpx.get(_url(g3["http"], "/health")).json()
-        assert health["endpoint"] == "b" and health["endpoint_version"] == 1
+        assert health["endpoint"] == "a" and health["endpoint_version"] == 2
+        view = httpx.get(_url(g3["http"], "/admin/coordinator"), headers=AUTH).json()
+        assert {e["name"] for e in view["endpoints"]} == {"a", "b"}  # b, added at runtime, is back too
         record = post(g3, {"question": stack["easy"][1]["query"]}).json()
-        assert record["endpoint"] == "b"
+        assert record["endpoint"] == "a"
         m = _metrics(g3["http"])
-        assert m[("bcstack_coordinator_active_endpoint_info", (("name", "b"),))] == 1
+        assert m[("bcstack_coordinator_active_endpoint_info", (("name", "a"),))] == 1
 
 
 def test_upstream_faults_and_a_killed_worker_never_lose_an_episode(stack):
