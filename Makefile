@@ -3,13 +3,13 @@ PYTHON ?= python3
 STAMP  := .make/install.stamp
 PYTEST_ARGS ?=
 # PYTEST_WORKERS: pytest-xdist workers, a whole module each, slowest modules first
-# (tests/conftest.py); 2 by default, for the 2-core machine CI runs on (README, Development: the
+# (tests/conftest.py); 2 by default, for the 2-core machine CI runs on (docs/development.md: the
 # measured times); 0 runs one process, in pytest's order.
 PYTEST_WORKERS ?= 2
 SPEEDRUN_ARGS ?=
 IMAGES_ARGS ?=
 
-.PHONY: help install demo speedrun test lint proto dashboards images clean
+.PHONY: help install demo speedrun test lint proto dashboards images docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -43,6 +43,9 @@ proto: install  ## regenerate the gRPC stubs in core/v1 from proto/
 
 dashboards: install  ## regenerate the chart's Grafana dashboards in charts/bcstack/dashboards
 	$(PYTHON) -m bcstack.dashboards
+
+docs: install  ## the docs site (MkDocs, Material theme) into site/, strictly: a broken link fails
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 
 images:  ## build every image with docker, podman or buildah, in order; IMAGES_ARGS=--dry-run shows the plan
 	$(PYTHON) -m devkit.images $(IMAGES_ARGS)

@@ -3,7 +3,7 @@ report what each carries: distributions, installed size, and the largest few.
 
     python scripts/extras_sizes.py [--extras coordinator,judge,...] [--keep DIR]
 
-Prints a Markdown table (the README's "Lean images" table) with the machine and commit. Every
+Prints a Markdown table (the docs/operating.md's "Lean images" table) with the machine and commit. Every
 install uses constraints.txt, so torch is the pinned CPU build; sizes include bytecode, as an
 image build would have it. tests/test_extras.py checks the light extras on every `make test`; this
 script covers the heavy ones too (minutes: three of them install torch).

@@ -7,7 +7,7 @@ session, shared by pytest-xdist's workers). Plain helpers, importable as
 
 `make test PYTEST_WORKERS=2` runs the suite on two pytest-xdist workers, a module at a time each
 (`--dist loadfile`), the slowest modules first (`SLOWEST_FIRST`) so that no long module starts last
-and runs alone. `make test` runs one process (README, Development: why).
+and runs alone. `make test` runs one process (docs/development.md: why).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `promtool check rules` on the rendered rules, `promtool test rules` on tests/alerts/ (input series
 -> expected alerts, one test per alert), and the chart's side of it: off unless asked for or the
-Operator's CRDs exist, thresholds and `for:` from values, every alert documented in the README.
+Operator's CRDs exist, thresholds and `for:` from values, every alert documented in docs/operating.md.
 The live proof (a real Prometheus evaluating these rules against the running stack) is in
 test_alerts_live.py.
 """
@@ -20,7 +20,7 @@ import yaml
 from helm_harness import ONE_COMPONENT, chart_defaults, render_chart, validate_manifests
 
 ALERT_TESTS = Path(__file__).parent / "alerts" / "bcstack_test.yaml"
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPERATING = Path(__file__).resolve().parents[1] / "docs" / "operating.md"
 
 
 def promtool() -> str:
@@ -145,18 +145,17 @@ def test_a_disabled_alert_is_left_out():
     assert len(alerts_of(rule)) == len(defaults) - 1
 
 
-def test_every_alert_has_a_summary_description_and_runbook_in_the_readme():
-    readme = README.read_text()
-    operating = readme.split("\n## Operating", 1)
-    assert len(operating) == 2, "README has no `## Operating` section"
-    sections = set(re.findall(r"^#### (Bcstack\w+)$", operating[1].split("\n## ", 1)[0], re.M))
-    rule = prometheus_rule({"runbookUrl": "https://git.example/bcstack/README.md"})
+def test_every_alert_has_a_summary_description_and_runbook_in_the_docs():
+    alerts = OPERATING.read_text().split("\n## Alerts", 1)
+    assert len(alerts) == 2, "docs/operating.md has no `## Alerts` section"
+    sections = set(re.findall(r"^### (Bcstack\w+)$", alerts[1].split("\n## ", 1)[0], re.M))
+    rule = prometheus_rule({"runbookUrl": "https://git.example/bcstack/docs/operating.md"})
     for name, alert in alerts_of(rule).items():
         notes = alert["annotations"]
         assert notes["summary"] and notes["description"], name
         assert notes["runbook"].endswith(f"> {name}")
-        assert notes["runbook_url"] == f"https://git.example/bcstack/README.md#{name.lower()}"
-        assert name in sections, f"README's Operating section has no runbook heading `#### {name}`"
+        assert notes["runbook_url"] == f"https://git.example/bcstack/docs/operating.md#{name.lower()}"
+        assert name in sections, f"docs/operating.md's Alerts section has no runbook heading `### {name}`"
         assert alert["labels"]["severity"] in {"critical", "warning"}
 
 

@@ -210,7 +210,7 @@ def test_retrieval_killed_fires_target_down_and_restarting_it_resolves_it(live):
         alert = wait_firing(api, "BcstackTargetDown", job=JOBS["retrieval"])
         assert alert["labels"]["severity"] == "critical"
         assert alert["labels"]["instance"] == live["services"]["retrieval"]["http"].removeprefix("http://")
-        assert alert["annotations"]["runbook"] == "README.md, Operating > Alerts > BcstackTargetDown"
+        assert alert["annotations"]["runbook"] == "docs/operating.md, Alerts > BcstackTargetDown"
     finally:
         _start(state, "retrieval", argv)
     wait_resolved(api, "BcstackTargetDown", job=JOBS["retrieval"])

@@ -1,5 +1,5 @@
 """The CPU engine behaves as the pinned SGLang (0.5.19) where the stack depends on it, so that a
-test against it fails where the real server would (README "What the CPU engine mirrors"):
+test against it fails where the real server would (docs/guide/hot-reload.md, "What the CPU engine mirrors"):
 /model_info and the deprecated routes, the flush that needs an idle scheduler, the update's flush
 assertion, the weight-version spans of a request that ran across a swap, the context boundary,
 None at `logprob_start_len`, and the admin key. In process (tests/engine_inproc.py)."""

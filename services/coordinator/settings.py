@@ -128,7 +128,7 @@ class CoordinatorSettings(ServiceSettings):
         "on another replica then runs it again under the same id",
     )
 
-    # --- the episode viewer (GET /ui; README "Episode viewer") ---
+    # --- the episode viewer (GET /ui; docs/guide/viewer.md) ---
     tokenizer: Path | None = Field(
         None,
         description="the worker model's tokenizer folder (tokenizer.json): the viewer decodes trajectory "

@@ -4,7 +4,7 @@ Read-only, server-rendered (Jinja templates and a little CSS/JS in this package:
 offline). The pages render `services.coordinator.viewer`'s view-models; this module only routes,
 checks the token and picks the status code.
 
-Access (README "Episode viewer"): when a viewer token (`BCSTACK_COORDINATOR_VIEWER_TOKEN`) or the
+Access (docs/guide/viewer.md): when a viewer token (`BCSTACK_COORDINATOR_VIEWER_TOKEN`) or the
 admin token is configured, a request needs one of them: `Authorization: Bearer <token>`, or the
 HttpOnly cookie that `/ui?token=<token>` sets once (a browser cannot send a bearer header from a
 link), after which the token is dropped from the address bar by a redirect. With neither token

@@ -54,7 +54,7 @@ class Tokenizer(Protocol):
 @dataclass(frozen=True)
 class ProtocolSettings:
     """How calls are read and observations rendered; the defaults are what a FoldAgent-trained
-    worker expects, with the deliberate departures of README "Worker protocol: fidelity settings"
+    worker expects, with the deliberate departures of docs/guide/worker.md, "Worker protocol: fidelity settings"
     (each one switch away from upstream's behaviour)."""
 
     search_k: int = 50  # results asked of the retrieval service (FoldAgent asks 50, shows topk)

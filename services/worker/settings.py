@@ -72,7 +72,7 @@ class WorkerSettings(ServiceSettings):
     max_topk: int = Field(
         10, ge=1, le=100, description="hits a search may show at most (slime port: 10; FoldAgent: no cap)"
     )
-    # Fidelity with FoldAgent's environment: README "Worker protocol: fidelity settings" says what
+    # Fidelity with FoldAgent's environment: docs/guide/worker.md, "Worker protocol: fidelity settings" says what
     # each does upstream and why ours differs where it does.
     no_search_guard: bool = Field(
         True,

@@ -175,11 +175,11 @@ fullname is cut, not the suffix, so two components' names stay apart under a lon
 {{/*
 The `for:`, labels and annotations of one alert in prometheusrule.yaml. Takes a dict: "root" (the chart context), "alert" (its
 values block: for, severity, labels), "name", "summary", "description". The runbook annotation
-names the README's section for the alert; runbook_url is added when metrics.prometheusRule.runbookUrl is set.
+names the docs section for the alert (docs/operating.md); runbook_url is added when metrics.prometheusRule.runbookUrl is set.
 */}}
 {{- define "bcstack.alertCommon" -}}
 {{- $labels := merge (dict "severity" .alert.severity) (.alert.labels | default dict) }}
-{{- $annotations := dict "summary" .summary "description" .description "runbook" (printf "README.md, Operating > Alerts > %s" .name) }}
+{{- $annotations := dict "summary" .summary "description" .description "runbook" (printf "docs/operating.md, Alerts > %s" .name) }}
 {{- with .root.Values.metrics.prometheusRule.runbookUrl }}
 {{- $_ := set $annotations "runbook_url" (printf "%s#%s" . (lower $.name)) }}
 {{- end -}}
