@@ -31,12 +31,13 @@ def _in_process(*args: str) -> subprocess.CompletedProcess:
 
 
 def _readme_commands() -> list[list[str]]:
-    """Every `bcstack <group> <command>` the README shows."""
-    found = []
-    for line in (ROOT / "README.md").read_text().splitlines():
-        m = re.match(r"^bcstack ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?", line.strip())
-        if m:
-            found.append([w for w in m.groups() if w])
+    """Every `bcstack <group> <command>` the README and the docs pages show (once each)."""
+    found: list[list[str]] = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for line in page.read_text().splitlines():
+            m = re.match(r"^bcstack ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?", line.strip())
+            if m and (words := [w for w in m.groups() if w]) not in found:
+                found.append(words)
     return found
 
 

@@ -266,20 +266,38 @@ def test_server_errors_are_counted_by_kind_and_fail_the_run(fresh, tmp_path):
     assert grpc_report.problem() and "failed" in grpc_report.problem()
 
 
-def test_closed_port_reports_errors_and_exits_nonzero(tmp_path):
+def test_closed_port_is_one_line_before_any_load_or_folder(tmp_path):
     port = find_free_port()
     out = tmp_path / "out"
+    for grpc_flag in ([], ["--grpc"]):
+        url = f"{LOOPBACK}:{port}" if grpc_flag else f"http://{LOOPBACK}:{port}"
+        start = time.monotonic()
+        result = _cli("--url", url, *grpc_flag, "--concurrency", "2", "--duration", "1", "--out", str(out))
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(error_lines) == 1 and "nothing answers" in error_lines[0] and str(port) in error_lines[0]
+        assert not out.exists()  # no report of requests that were never worth sending
+        assert time.monotonic() - start < 10
+
+
+def test_the_default_report_folder_is_under_the_state_folder(fresh, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     result = _cli(
-        "--url", f"http://{LOOPBACK}:{port}", "--concurrency", "2", "--duration", "1", "--out", str(out)
+        "--url", fresh.http_url, "--concurrency", "1", "--duration", "1", "--max-requests", "3", "-q"
     )
-    assert result.exit_code == 1
-    assert "Traceback" not in result.output
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(error_lines) == 1 and "failed" in error_lines[0] and str(port) in error_lines[0]
-    report = json.loads((out / "report.json").read_text())
-    assert report["requests"] > 0 and report["errors"] == report["requests"]
-    assert set(report["errors_by_kind"]) == {"connection_refused"}
-    _assert_png(out / "latency.png")
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in tmp_path.iterdir()] == [".bcstack"]
+    (folder,) = (tmp_path / ".bcstack" / "loadtest").iterdir()
+    assert (folder / "report.json").is_file() and (folder / "latency.png").is_file()
+
+
+def test_a_closed_port_under_load_reports_errors(tmp_path):
+    """The library still measures a target that dies mid-run: every request an error, by kind."""
+    port = find_free_port()
+    report = run_loadtest(LoadTestConfig(url=f"http://{LOOPBACK}:{port}", concurrency=2, duration_s=1))
+    assert report.requests > 0 and report.errors == report.requests
+    assert set(report.errors_by_kind) == {"connection_refused"}
+    assert report.problem() and "failed" in report.problem()
 
     grpc_report = run_loadtest(
         LoadTestConfig(url=f"{LOOPBACK}:{port}", grpc=True, concurrency=2, duration_s=1)

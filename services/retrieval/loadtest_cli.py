@@ -61,7 +61,8 @@ def retrieval(
     out: Path | None = typer.Option(
         None,
         "--out",
-        help="Directory for report.json and latency.png. Default: ./loadtest-<YYYYmmdd-HHMMSS>.",
+        help="Directory for report.json and latency.png. Default: .bcstack/loadtest/<YYYYmmdd-HHMMSS> "
+        "(under the local stack's state folder, never the current directory itself).",
     ),
     warmup: float = typer.Option(
         0.0,
@@ -130,7 +131,14 @@ def retrieval(
     except LoadTestConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
 
-    out_dir = out or Path(f"loadtest-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    problem = _unreachable(url, grpc=grpc, timeout=min(timeout, 5.0))
+    if problem is not None:
+        # Before any load and before any folder: a dead target is one line, not thousands of
+        # refused requests and a report of them.
+        err.print(f"[red]error:[/red] {escape(problem)}")
+        raise typer.Exit(1)
+
+    out_dir = out or Path(".bcstack") / "loadtest" / datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -157,6 +165,37 @@ def retrieval(
     if problem:
         err.print(f"[red]error:[/red] {escape(problem)}")
         raise typer.Exit(1)
+
+
+_START_IT = "start the retrieval service (bcstack serve retrieval) or fix --url"
+
+
+def _unreachable(url: str, *, grpc: bool, timeout: float) -> str | None:
+    """Why nothing answers at the target (None: something does). HTTP: any answer to GET /health
+    of its host, whatever the status; gRPC: the channel becomes ready."""
+    if grpc:
+        import grpc as grpc_lib
+
+        channel = grpc_lib.insecure_channel(url)
+        try:
+            grpc_lib.channel_ready_future(channel).result(timeout=timeout)
+        except grpc_lib.FutureTimeoutError:
+            return f"nothing answers gRPC at {url} within {timeout:g} s: {_START_IT}"
+        finally:
+            channel.close()
+        return None
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"--url must be an http(s) URL such as http://127.0.0.1:8001, not {url!r}"
+    try:
+        httpx.get(f"{parts.scheme}://{parts.netloc}/health", timeout=timeout)
+    except httpx.HTTPError as exc:
+        return f"nothing answers at {url} ({type(exc).__name__}: {exc}): {_START_IT}"
+    return None
 
 
 def _summary_table(report):  # -> rich.table.Table; typed loosely to keep rich out of import time
