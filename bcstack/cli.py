@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from typer.core import TyperCommand
 
 from bcstack import __version__, corpus, episodes_cli, fetch, reload_cli
 from bcstack import coordinator_cli as coordinator_ops
 from bcstack.evaluation.cli import app as eval_app
 from bcstack.rl import cli as rl_cli
 from bcstack.rl import report as rl_report
-from core.kit.cli import ServeCommand
+from core.kit.cli import Command, ServeCommand
 from devkit.modelkit.cli import app as model_app
 from devkit.toyworld.cli import app as toyworld_app
 from services.coordinator import cli as coordinator_cli
@@ -38,6 +39,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # One help renderer for every command: click's plain option list, never Rich's table (which
+    # cuts long option names with an ellipsis at 80 columns). The root's mode is every subcommand's.
+    rich_markup_mode=None,
 )
 serve_app = typer.Typer(
     help="Start one service of the stack (each has --help with its settings).", no_args_is_help=True
@@ -119,7 +123,7 @@ def up(
     ),
     index: Path = typer.Option(
         None,
-        "--index",
+        "--index-dir",
         metavar="DIR",
         help="An existing complete retrieval index (`bcstack index`), used as it is; default: STATE/index.",
     ),
@@ -154,7 +158,7 @@ def up(
         metavar="sqlite|postgres",
         help="Where the gateways keep their episode records: sqlite (one file, one gateway) or postgres "
         "(a PostgreSQL server of the stack's own in STATE/postgres, kept across down and up; its "
-        "programs come with Debian's postgresql package, `make install`).",
+        "programs come with Debian's postgresql package, `make install-test` adds it).",
     ),
     replicas: int = typer.Option(
         1,
@@ -179,7 +183,7 @@ def up(
     the judge (rule) start on loopback ports (the default ports when free); their URLs and pids go
     to STATE/stack.json, their logs to STATE/logs/. With --records-backend postgres a PostgreSQL
     server starts first in STATE/postgres; --gateways N runs N gateways on it behind one HAProxy.
-    Stop them with `bcstack down`. A --world, --kit or --index given is used as it is instead of
+    Stop them with `bcstack down`. A --world, --kit or --index-dir given is used as it is instead of
     building one under STATE; the
     --worker-setting / --engine-setting values are checked against those services' settings
     before anything starts and reach them as their `bcstack serve` options.
@@ -401,6 +405,22 @@ def _root(
     ),
 ) -> None:
     pass
+
+
+def _one_style(typer_app: typer.Typer) -> None:
+    """Every command of the tree gets core.kit.cli.Command (a missing-arguments error names every
+    missing one), unless it was mounted with a subclass of it (ServeCommand)."""
+    for info in typer_app.registered_commands:
+        if info.cls in (None, TyperCommand):  # Typer's default
+            info.cls = Command
+        elif not issubclass(info.cls, Command):
+            raise TypeError(f"{info.name}: mounted with {info.cls.__name__}, not a core.kit.cli.Command")
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _one_style(group.typer_instance)
+
+
+_one_style(app)
 
 
 def main() -> None:

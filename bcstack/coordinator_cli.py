@@ -150,9 +150,9 @@ def swap(
         "cluster, or pass --gateway too for the change from outside).",
     ),
     namespace: str | None = typer.Option(
-        None, "--namespace", "-n", help="Kubernetes namespace (with --k8s-selector)."
+        None, "--k8s-namespace", "-n", help="Kubernetes namespace (with --k8s-selector)."
     ),
-    port: int = typer.Option(8080, "--port", help="The gateways' HTTP port (with --k8s-selector)."),
+    port: int = typer.Option(8080, "--k8s-port", help="The gateways' HTTP port (with --k8s-selector)."),
     base_url: str | None = typer.Option(
         None, "--base-url", help="Add or change the endpoint first: its OpenAI-compatible base URL."
     ),

@@ -125,7 +125,7 @@ def fetch_command(
         help="The Hub cache (default: huggingface_hub's; HF_HUB_OFFLINE=1 reads only it).",
         show_default=False,
     ),  # fmt: skip
-    force: bool = typer.Option(False, "--force", help="Replace OUT when it holds something else."),
+    force: bool = typer.Option(False, "--force/--no-force", help="Replace OUT when it holds something else."),
 ) -> None:
     """Fetch a corpus dataset from the Hugging Face Hub into OUT/corpus.jsonl, pinned and verified.
 

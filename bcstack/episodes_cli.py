@@ -116,9 +116,11 @@ def show(
         metavar="DIR",
         help="The worker model's tokenizer folder, to decode trajectories; without one, counts and ids only.",
     ),
-    full: bool = typer.Option(False, "--full", help="Print long texts whole (pages, prompts, thinking)."),
+    full: bool = typer.Option(
+        False, "--full/--no-full", help="Print long texts whole (pages, prompts, thinking)."
+    ),
     mask: bool = typer.Option(
-        False, "--mask", help="Also print each trajectory's tokens with the loss mask."
+        False, "--mask/--no-mask", help="Also print each trajectory's tokens with the loss mask."
     ),
 ) -> None:
     """Print one recorded episode, as the gateway's /ui page shows it.

@@ -248,7 +248,7 @@ def command(
         "With HF_HUB_OFFLINE=1 only the cache is read.",
         show_default=False,
     ),
-    force: bool = typer.Option(False, "--force", help="Replace OUT when it holds something else."),
+    force: bool = typer.Option(False, "--force/--no-force", help="Replace OUT when it holds something else."),
 ) -> None:
     """Fetch a model from the Hugging Face Hub into OUT, pinned to a commit and verified.
 

@@ -77,12 +77,12 @@ def reload(
     ),
     namespace: str = typer.Option(
         None,
-        "--namespace",
+        "--k8s-namespace",
         "-n",
         help="Kubernetes namespace (with --k8s-selector; default: the pod's own in the cluster, else the "
         "kubeconfig context's).",
     ),
-    port: int = typer.Option(8002, "--port", help="Worker HTTP port (with --k8s-selector)."),
+    port: int = typer.Option(8002, "--k8s-port", help="Worker HTTP port (with --k8s-selector)."),
     weight_version: str = typer.Option(
         None, "--weight-version", help="Version name to report (default: the checkpoint folder's name)."
     ),

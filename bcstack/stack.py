@@ -232,6 +232,8 @@ def check_settings(service: str, given: Mapping[str, Any] | None) -> dict[str, s
             raise StackError(f"{flag} {key}: needs a value")
         if isinstance(value, bool):
             value = "true" if value else "false"
+        elif "/" in options[name]:  # a boolean's pair of flags takes true or false here, as its variable
+            value = _boolean_text(flag, key, value)
         elif isinstance(value, list | tuple | dict):
             value = json.dumps(value)
         texts[name] = str(value)
@@ -247,10 +249,24 @@ def check_settings(service: str, given: Mapping[str, Any] | None) -> dict[str, s
     return texts
 
 
+def _boolean_text(flag: str, key: Any, value: Any) -> str:
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return "true" if TypeAdapter(bool).validate_python(value) else "false"
+    except ValidationError:
+        raise StackError(f"{flag} {key}={value}: not a boolean (true or false)") from None
+
+
 def setting_flags(service: str, settings: Mapping[str, Any] | None) -> list[str]:
     """`settings` as the `bcstack serve <service>` command-line options: ["--snippet-words", "24", ...]."""
     _, options = _serve_options(service)
-    return [arg for name, text in check_settings(service, settings).items() for arg in (options[name], text)]
+    flags: list[str] = []
+    for name, text in check_settings(service, settings).items():
+        on, sep, off = options[name].partition("/")
+        # A boolean setting is a pair of flags (`--log-json/--no-log-json`, core/kit/cli.py).
+        flags += [(on if text == "true" else off).strip()] if sep else [options[name], text]
+    return flags
 
 
 def parse_settings(flag: str, items: Iterable[str]) -> dict[str, str]:
@@ -295,7 +311,7 @@ def check_assets(
     if index is not None:
         problem = _index_problem(index)
         if problem:
-            raise StackError(f"--index {index}: {problem}")
+            raise StackError(f"--index-dir {index}: {problem}")
 
 
 def ensure_assets(
@@ -354,7 +370,11 @@ def ensure_assets(
     if dense is not None and manifest.get("dense") != dense:
         raise StackError(
             f"the index {index} was built with dense {manifest.get('dense')!r}, not {dense!r}; "
-            + ("give another --index" if index_given else "remove it to rebuild it, or use another --state")
+            + (
+                "give another --index-dir"
+                if index_given
+                else "remove it to rebuild it, or use another --state"
+            )
         )
     corpus_bytes = manifest.get("corpus", {}).get("bytes")
     if corpus_bytes is not None and corpus_bytes != (world / "corpus.jsonl").stat().st_size:

@@ -360,7 +360,7 @@ def main() -> None:
                 *(x for d in DOMAINS for x in ("--prompts", f"{d}={work / d / 'test.jsonl'}")),
                 "--samples",
                 str(args.samples),
-                "--max-new-tokens",
+                "--max-response-tokens",
                 str(args.max_new_tokens),
                 "--baseline",
                 "base",

@@ -400,7 +400,7 @@ def test_rl_runs_the_loop_against_the_release(rendered: dict[str, list[dict[str,
     assert params["k8s_namespace"] == "default" and params["workers"] is None
     sidecar = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "worker")
     (http,) = [p["containerPort"] for p in sidecar["ports"] if p["name"] == "http"]
-    assert params["worker_port"] == http
+    assert params["k8s_port"] == http
     # A worker reloads --out's exports by the same path: the root it accepts holds it.
     assert params["worker_checkpoint_root"] == params["out"] == Path("/checkpoints/qwen3-4b-worker-grpo")
     assert str(params["out"]).startswith(env_of(sidecar)["BCSTACK_WORKER_CHECKPOINT_ROOT"] + "/")

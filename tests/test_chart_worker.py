@@ -925,7 +925,7 @@ def test_the_reload_job_reloads_every_worker_from_inside_the_cluster(tmp_path: P
     selector = dict(term.split("=") for term in args[args.index("--k8s-selector") + 1].split(","))
     worker_pods = find(manifests, "Deployment", DEPLOYMENT)["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= worker_pods.items() and selects(selector, worker_pods)
-    assert args[args.index("--port") + 1] == "8002" and "--canary" not in args
+    assert args[args.index("--k8s-port") + 1] == "8002" and "--canary" not in args
     assert env_of(container)["BCSTACK_ADMIN_TOKEN"] == {
         "secretKeyRef": {"name": "bc-admin", "key": "admin-token"}
     }

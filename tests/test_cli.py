@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -69,6 +70,113 @@ def test_help_does_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
+def _every_command() -> list[tuple[list[str], object]]:
+    """(path, click command) for `bcstack` and every group and command under it."""
+    import typer
+
+    from bcstack.cli import app
+
+    found = []
+
+    def walk(command: object, path: list[str]) -> None:
+        found.append((path, command))
+        for name, sub in sorted(getattr(command, "commands", {}).items()):
+            walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def test_every_help_fits_80_columns_with_every_option_name_whole():
+    """One help renderer (click's plain list, no Rich boxes), legible at 80 columns: no line wider,
+    no name cut with an ellipsis, every option's names (both of a --x/--no-x pair) there whole."""
+    for path, command in _every_command():
+        result = _in_process(*path, "--help")
+        where = f"bcstack {' '.join(path)} --help"
+        assert result.returncode == 0, f"{where}: {result.stderr}"
+        text = result.stdout
+        assert "…" not in text and "╭" not in text and "│" not in text, f"{where}: a Rich table"
+        wide = [line for line in text.splitlines() if len(line) > 80]
+        assert not wide, f"{where}: lines over 80 columns: {wide}"
+        for param in command.params:
+            for name in [*getattr(param, "opts", []), *getattr(param, "secondary_opts", [])]:
+                if name.startswith("-"):
+                    assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), f"{where}: {name} cut"
+
+
+def test_every_boolean_option_is_an_x_no_x_pair():
+    """`--force/--no-force`, `--log-json/--no-log-json`: no bare flag, no boolean that takes a value."""
+    bare = []
+    for path, command in _every_command():
+        for param in command.params:
+            opts = getattr(param, "opts", [])
+            flag = getattr(param, "is_flag", False) and not set(opts) & {"--help", "--version"}
+            if flag and not getattr(param, "secondary_opts", []):
+                bare.append(f"bcstack {' '.join(path)} {opts[0]}")
+    assert bare == []
+
+
+def test_a_missing_arguments_error_names_every_missing_one():
+    result = _in_process("train", "rl")
+    assert result.returncode == 2
+    assert "Missing options '--questions', '--model', '--ref' and '--out'." in result.stderr
+    result = _in_process("train", "rl", "--model", "m")
+    assert "Missing options '--questions', '--ref' and '--out'." in result.stderr
+    result = _in_process("train", "merge-lora", "--base", "b", "--out", "o")  # one: click's own message
+    assert "Missing option '--adapter'." in result.stderr
+    # An argument and an option: each kind named once.
+    import typer
+    from typer.testing import CliRunner
+
+    from core.kit.cli import Command
+
+    app = typer.Typer(rich_markup_mode=None)
+
+    @app.command(cls=Command)
+    def show(path: str = typer.Argument(...), out: str = typer.Option(..., "--out")) -> None:
+        pass
+
+    result = CliRunner().invoke(app, [])
+    assert "Missing argument 'path' and option '--out'." in result.stderr
+
+
+def test_train_commands_refuse_a_bad_path_before_importing_torch(tmp_path: Path):
+    """A mistyped path is refused in one line before torch's import (seconds): every train command."""
+    nope = str(tmp_path / "nope")
+    cases = [
+        (["train", "sft", "--model", nope, "--source", nope, "--out", nope], "--model"),
+        (["train", "grpo", "--model", nope, "--records", nope, "--ref", nope, "--out", nope],
+         "no episode records"),
+        (["train", "grpo", "--env", "arithmetic", "--model", nope, "--engine", "http://h:1",
+          "--prompts", nope, "--out", nope], "--model"),
+        (["train", "rl", "--questions", nope, "--model", nope, "--ref", nope, "--out", nope], "--questions"),
+        (["train", "export", "--model", nope, "--out", nope], "--model"),
+        (["train", "merge-lora", "--base", nope, "--adapter", nope, "--out", nope], "--base"),
+        (["train", "distill", "--teachers", nope, "--model", nope, "--engine", "http://h:1",
+          "--prompts", nope, "--out", nope], "--teachers"),
+        (["train", "gate-rows", "--records", nope, "--tokenizer", nope, "--out", nope], "--records"),
+    ]  # fmt: skip
+    code = (
+        "import json, sys\n"
+        "from typer.testing import CliRunner\n"
+        "from bcstack.cli import app\n"
+        "for args in json.loads(sys.argv[1]):\n"
+        "    r = CliRunner().invoke(app, args)\n"
+        "    print(json.dumps([r.exit_code, r.stderr.strip(), 'torch' in sys.modules]))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, json.dumps([a for a, _ in cases])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr
+    for (args, says), line in zip(cases, run.stdout.splitlines(), strict=True):
+        code_, stderr, torch_loaded = json.loads(line)
+        assert (code_, torch_loaded) == (2, False), f"{args}: {stderr}"
+        assert stderr.startswith("error: ") and says in stderr and "\n" not in stderr, f"{args}: {stderr}"
+
+
 def test_unknown_command_is_a_clear_error():
     result = _in_process("frobnicate")
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -77,6 +185,9 @@ def test_unknown_command_is_a_clear_error():
 def test_a_tp_size_the_job_cannot_hold_is_one_error_line(tmp_path: Path):
     # One process cannot be two tensor-parallel ranks: refused before anything is loaded.
     out = tmp_path / "run"
+    (tmp_path / "records.jsonl").touch()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")  # the paths pass the cheap checks
     args = ["train", "grpo", "--records", str(tmp_path / "records.jsonl"), "--model", str(tmp_path / "m")]
     args += ["--ref", str(tmp_path / "m"), "--out", str(out), "--tp", "2"]
     command = [sys.executable, "-m", "bcstack", *args]
@@ -166,6 +277,7 @@ def _help_entries(text: str) -> dict[str, str | None]:
 def test_serve_help_lists_every_setting_with_its_env_var(service):
     """DESIGN.md §8: `bcstack serve X --help` lists its settings and env vars; --grpc-port where gRPC is
     served. One option per setting, named after it, showing its variable; secrets only by variable."""
+    from core.kit.cli import flag_names
     from core.kit.settings import env_var_name, is_secret
 
     cls = _serve_settings()[service]
@@ -179,6 +291,10 @@ def test_serve_help_lists_every_setting_with_its_env_var(service):
         for name in cls.model_fields
         if name not in secrets | unused
     }
+    for name in list(expected):
+        field = name[2:].replace("-", "_")
+        if field in cls.model_fields and cls.model_fields[field].annotation is bool:
+            expected[flag_names(field)[1]] = expected[name]  # --x/--no-x, as every boolean
     if service in LEGACY_OPTIONS:
         option, field = LEGACY_OPTIONS[service]
         expected[option] = env_var_name(cls, field)

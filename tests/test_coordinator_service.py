@@ -435,7 +435,17 @@ def test_a_swap_reaches_every_replica_through_the_store_and_outlives_a_restart(s
             selector = "app.kubernetes.io/instance=bc,app.kubernetes.io/component=coordinator"
             back = CliRunner().invoke(
                 app,
-                ["coordinator", "swap", "a", "--k8s-selector", selector, "--port", str(port), "--wait", "30"],
+                [
+                    "coordinator",
+                    "swap",
+                    "a",
+                    "--k8s-selector",
+                    selector,
+                    "--k8s-port",
+                    str(port),
+                    "--wait",
+                    "30",
+                ],
                 env={
                     **env,
                     "KUBECONFIG": str(_kubeconfig(Path(kube) / "config", api.url)),

@@ -6,8 +6,8 @@ and on a broken image: so a page moved or renamed without its links fails here.
 
 from __future__ import annotations
 
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

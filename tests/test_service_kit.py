@@ -200,11 +200,18 @@ def test_serve_command_option_beats_env_beats_default(monkeypatch: pytest.Monkey
     monkeypatch.setenv("BCSTACK_KIT_TEST_BATCH_SIZE", "16")
     monkeypatch.setenv("BCSTACK_KIT_TEST_LABEL", "from-env")
     served: list[KitSettings] = []
-    result = _serve_kit("--batch", "8", "--log-json", "true", served=served)
+    result = _serve_kit("--batch", "8", "--log-json", served=served)
     assert result.exit_code == 0, result.output
     (settings,) = served
     assert (settings.batch_size, settings.label, settings.port) == (8, "from-env", 8100)
     assert settings.log_json is True
+    # A boolean is a pair of flags, as every boolean of the CLI; the negative one beats its variable.
+    monkeypatch.setenv("BCSTACK_KIT_TEST_LOG_JSON", "true")
+    served.clear()
+    assert _serve_kit("--no-log-json", served=served).exit_code == 0 and served[0].log_json is False
+    served.clear()
+    assert _serve_kit(served=served).exit_code == 0 and served[0].log_json is True
+    monkeypatch.delenv("BCSTACK_KIT_TEST_LOG_JSON")
     # Values are checked by the settings model, and the message names where the value came from.
     bad = _serve_kit("--batch-size", "0")
     assert bad.exit_code == 2 and "invalid option --batch-size" in bad.output
@@ -530,7 +537,7 @@ def test_real_prometheus_scrapes_the_app(tmp_path: Path) -> None:
     )
     if binary is None:
         pytest.fail(
-            "the Prometheus server is not installed (Debian package `prometheus`): run `make install`"
+            "the Prometheus server is not installed (Debian package `prometheus`): run `make install-test`"
         )
 
     app_port, prom_port = find_free_port(), find_free_port()

@@ -134,7 +134,7 @@ def test_lora_grpo_counts_exports_and_resumes_against_a_hot_reloaded_engine(worl
     # pass@k against the engines as they serve: the base (a teacher's engine) and the specialist
     bcstack(
         "eval", "passk", "--model", f"base={world['teacher_base']}", "--model", f"rl={world['engine']}",
-        "--prompts", f"arithmetic={world['arithmetic']}", "--samples", "2", "--max-new-tokens", "8",
+        "--prompts", f"arithmetic={world['arithmetic']}", "--samples", "2", "--max-response-tokens", "8",
         "--baseline", "base", "--out", world["root"] / "passk",
     )  # fmt: skip
     results = json.loads((world["root"] / "passk" / "results.json").read_text())

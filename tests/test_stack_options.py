@@ -116,7 +116,7 @@ def test_plan_gives_the_settings_as_options_the_serve_commands_accept(tmp_path):
     }
     worker, engine = services["worker"].args, services["engine"].args
     assert worker[:2] == ["serve", "worker"] and engine[:2] == ["serve", "engine"]
-    assert "--snippet-words" in worker and "--reflection-nudge" in worker
+    assert "--snippet-words" in worker and "--no-reflection-nudge" in worker  # a boolean: a flag
     w = parse_serve("worker", worker[2:])
     assert (w.snippet_words, w.reflection_nudge, w.top_k) == (24, False, 5)
     assert (w.port, str(w.tokenizer), w.engine_url) == (
@@ -181,12 +181,12 @@ def test_given_folders_that_are_not_what_they_claim_are_refused(tmp_path):
     with pytest.raises(StackError, match="--kit .*no-tokenizer: no tokenizer"):
         up(tmp_path / "state", kit=no_tokenizer, say=quiet)
 
-    with pytest.raises(StackError, match=r"--index .*: not an index folder \(no manifest.json\)"):
+    with pytest.raises(StackError, match=r"--index-dir .*: not an index folder \(no manifest.json\)"):
         up(tmp_path / "state", index=tmp_path / "nowhere", say=quiet)
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "manifest.json").write_text(json.dumps({"complete": False}))
-    with pytest.raises(StackError, match="--index .*partial: an incomplete index"):
+    with pytest.raises(StackError, match="--index-dir .*partial: an incomplete index"):
         up(tmp_path / "state", index=partial, say=quiet)
 
     with pytest.raises(StackError, match="--dense qdrant: choose edge or none"):

@@ -157,7 +157,7 @@ def test_every_helm_install_and_upgrade_renders() -> None:
             elif flag in ("--set", "--set-string"):
                 set_into(values, rest[i + 1], as_string=flag == "--set-string")
                 i += 2
-            elif flag in ("-n", "--namespace", "--timeout"):
+            elif flag in ("-n", "--k8s-namespace", "--timeout"):
                 namespace = rest[i + 1] if flag != "--timeout" else namespace
                 i += 2
             elif flag == "--reuse-values":

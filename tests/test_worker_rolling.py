@@ -470,7 +470,7 @@ def test_reload_with_k8s_selector_rolls_the_listed_pods(
         for fake, host in zip(fakes, ("127.0.0.1", "127.0.0.2"), strict=True):
             config = uvicorn.Config(fake.app, host=host, port=port, lifespan="off", log_level="warning")
             stack.enter_context(serving_uvicorn(uvicorn.Server(config)))
-        args = ["reload", "--checkpoint", str(exported), "--k8s-selector", SELECTOR, "--port", str(port)]
+        args = ["reload", "--checkpoint", str(exported), "--k8s-selector", SELECTOR, "--k8s-port", str(port)]
         result = runner.invoke(app, [*args, "-n", "research"])
         assert result.exit_code == 0, result.output
         api.forbid = True

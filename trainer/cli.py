@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from core import budget
-from core.kit.cli import fail
+from core.kit.cli import fail, need_file, need_model
 
 app = typer.Typer(
     help="Trainer checkpoints: export to the serving format (BF16 safetensors) and verify.",
@@ -93,7 +93,7 @@ def export(
         show_default=False,
     ),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder."),
+    force: bool = typer.Option(False, "--force/--no-force", help="Replace a non-empty --out folder."),
 ) -> None:
     """Export a trained checkpoint to the serving format and verify it.
 
@@ -101,6 +101,9 @@ def export(
     byte), every tensor's key, shape and dtype checked, tokenizer files and chat template restored,
     SHA256SUMS written last. The export is built beside --out and renamed into place when verified.
     """
+    need_model("--model", model)  # before torch's import: seconds
+    if tokenizer is not None and not tokenizer.is_dir():
+        fail(f"--tokenizer {tokenizer}: not a folder")
     from core.checkpoint import VerifyError
     from trainer.export import ExportError, export_checkpoint
 
@@ -222,7 +225,9 @@ def grpo(
         help="Worker trajectories generated across a hot reload (turns of several weight versions): "
         "keep them, drop them, or stop with an error.",
     ),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
+    resume: bool = typer.Option(
+        False, "--resume/--no-resume", help="Continue from the newest checkpoint under --out."
+    ),
     tp: int = typer.Option(
         1,
         "--tp",
@@ -377,6 +382,12 @@ def grpo(
         return
     if records is None or ref is None:
         fail("--records and --ref are required (or --env for single-turn domain RL)")
+    from core.record_store import is_database_url  # no torch: the cheap checks come first
+
+    if not is_database_url(records) and not Path(records).is_file():
+        fail(f"no episode records at {records}")
+    need_model("--model", model)
+    need_model("--ref", ref)
     from trainer.distributed import LayoutError, init_layout
 
     try:
@@ -430,14 +441,16 @@ def _grpo_env(
     """`bcstack train grpo --env ...`: seed 004's LoRA domain RL (trainer.specialist)."""
     import os
 
+    if engine is None or prompts is None:
+        fail("--env needs --engine (the engine serving --model) and --prompts (training rows)")
+    need_model("--model", model)  # before torch's import: seconds
+    need_file("--prompts", prompts)
     from core.single_turn import PromptError
     from core.verifiers import VerifierError
     from trainer.checkpoint import CheckpointError
     from trainer.lora import LoraError, LoraSettings, parse_targets
     from trainer.specialist import LR, SpecialistConfig, SpecialistError, train_specialist
 
-    if engine is None or prompts is None:
-        fail("--env needs --engine (the engine serving --model) and --prompts (training rows)")
     micro = settings.pop("micro_batch_tokens")
     try:
         lora = LoraSettings(rank=lora_rank, alpha=lora_alpha, targets=parse_targets(lora_targets))
@@ -470,7 +483,7 @@ def merge_lora_command(
     base: Path = typer.Option(..., "--base", help="The base model folder the adapter was trained on."),
     adapter: Path = typer.Option(..., "--adapter", help="A peft LoRA adapter folder (adapter_config.json)."),
     out: Path = typer.Option(..., "--out", help="Folder for the merged serving export (missing or empty)."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out."),
+    force: bool = typer.Option(False, "--force/--no-force", help="Replace a non-empty --out."),
 ) -> None:
     """Merge a LoRA adapter into its base in FP32, save BF16, and validate the result (seed 004).
 
@@ -479,6 +492,9 @@ def merge_lora_command(
     export read back equal the FP32-merged model's cast to BF16 bit for bit. Writes the serving export
     (`bcstack checkpoint verify` passes) with model_provenance.json; any failed check exits 2.
     """
+    need_model("--base", base)  # before torch's import: seconds
+    if not (adapter / "adapter_config.json").is_file():
+        fail(f"--adapter {adapter}: not a LoRA adapter folder (no adapter_config.json)")
     from core.checkpoint import VerifyError
     from trainer.export import ExportError
     from trainer.lora import LoraError, merge_lora
@@ -549,6 +565,12 @@ def distill(
     refused with the first difference named.
     """
     import os
+
+    need_file("--teachers", teachers)  # before torch's import: seconds
+    need_model("--model", model)
+    need_file("--prompts", prompts)
+    if dev_prompts is not None:
+        need_file("--dev-prompts", dev_prompts)
 
     from core.single_turn import PromptError
     from core.verifiers import VerifierError

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from core.kit.cli import fail
+from core.kit.cli import fail, need_file, need_model
 
 
 def _print_mixture(console: Console, mixture, steps: int, batch: int, epochs: float) -> None:  # type: ignore[no-untyped-def]
@@ -81,7 +81,9 @@ def sft(
         help="Stop after this many steps in all (continue with --resume).",
         show_default=False,
     ),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under OUT."),
+    resume: bool = typer.Option(
+        False, "--resume/--no-resume", help="Continue from the newest checkpoint under OUT."
+    ),
     report_to: str = typer.Option(
         "", "--report-to", help="Also log to: tensorboard, wandb (comma-separated)."
     ),
@@ -105,18 +107,24 @@ def sft(
     Several GPUs (or CPU processes, gloo): `torchrun --nproc_per_node N -m bcstack train sft --tp T ...`
     (dp = N / T); rank 0 alone prints, logs and exports; checkpoints are sharded and resume at any layout.
     """
+    from trainer.sft_data import SFTDataError, SourceSpec  # no torch: the cheap checks come first
+
+    need_model("--model", model)
+    try:
+        specs = [SourceSpec.parse(text) for text in source]
+    except SFTDataError as e:
+        fail(str(e))
+    for spec in specs:
+        if not spec.path.is_file():
+            fail(f"source {spec.name}: no such file {spec.path}")
+    if eval_source is not None:
+        need_file("--eval-source", eval_source)
+
     from transformers import AutoTokenizer
 
     from trainer.distributed import LayoutError, init_layout
     from trainer.sft import SFTConfig, SFTError, epoch_steps, train_sft
-    from trainer.sft_data import (
-        SFTDataError,
-        SourceSpec,
-        build_mixture,
-        is_chat_jsonl,
-        load_chat_jsonl,
-        load_record_samples,
-    )
+    from trainer.sft_data import build_mixture, is_chat_jsonl, load_chat_jsonl, load_record_samples
     from trainer.sinks import RunSinks, SinkError
 
     try:
@@ -124,8 +132,6 @@ def sft(
     except LayoutError as e:
         fail(str(e))
     console = Console(stderr=True, quiet=not layout.is_main)
-    if not (model / "config.json").is_file():
-        fail(f"--model {model}: not a model folder (no config.json)")
     config = SFTConfig(
         lr=lr,
         min_lr=min_lr,
@@ -160,7 +166,6 @@ def sft(
         return rows
 
     try:
-        specs = [SourceSpec.parse(text) for text in source]
         pools = {s.name: load(s.path, s.name, s.only_correct) for s in specs}
         mixture = build_mixture(pools, specs, seed=seed)
         eval_rows = load(eval_source, "eval") if eval_source is not None else []
@@ -253,7 +258,7 @@ def gate_rows(
         help="Copies of each hard negative (CONTINUE with the answer shown).",
     ),
     all_episodes: bool = typer.Option(
-        False, "--all", help="Use every episode, not only the correctly answered ones."
+        False, "--all/--no-all", help="Use every episode, not only the correctly answered ones."
     ),
 ) -> None:
     """Gate rows for the runtime STOP gate from expert episode records (seed 001's second SFT source).
@@ -261,15 +266,15 @@ def gate_rows(
     One row per observation: STOP when the worker's next turn is its finish, CONTINUE otherwise; the
     CONTINUEs whose observation already shows the gold answer are hard negatives, repeated.
     """
+    need_file("--records", records)  # before transformers' import: seconds
+    if not (tokenizer / "tokenizer_config.json").is_file() and not (tokenizer / "tokenizer.json").is_file():
+        fail(f"--tokenizer {tokenizer}: no tokenizer files there")
+
     from transformers import AutoTokenizer
 
     from core.atomic import atomic_write_text
     from trainer.gate_rows import gate_rows_from_records
 
-    if not records.is_file():
-        fail(f"--records {records}: no such file")
-    if not (tokenizer / "tokenizer_config.json").is_file() and not (tokenizer / "tokenizer.json").is_file():
-        fail(f"--tokenizer {tokenizer}: no tokenizer files there")
     try:
         rows, counts = gate_rows_from_records(
             records,

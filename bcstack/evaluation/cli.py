@@ -241,7 +241,7 @@ def passk(
     top_p: float = typer.Option(0.8, "--top-p", min=0.0, max=1.0, help="Nucleus sampling (seed 004: 0.8)."),
     top_k: int = typer.Option(20, "--top-k", min=-1, help="Top-k, -1 for off (seed 004: 20)."),
     max_new_tokens: int = typer.Option(
-        16_384, "--max-new-tokens", min=1, help="Response cap (seed 004: 16,384)."
+        16_384, "--max-response-tokens", min=1, help="Response cap (seed 004: 16,384)."
     ),
     baseline: str | None = typer.Option(
         None,

@@ -13,7 +13,7 @@ import typer
 import yaml
 
 from core.budget import MAX_TOKENS
-from core.kit.cli import fail
+from core.kit.cli import fail, need_model
 
 
 def _load_config(ctx: typer.Context, value: Path | None) -> Path | None:
@@ -69,8 +69,10 @@ def rl(
     k8s_selector: str | None = typer.Option(
         None, "--k8s-selector", help="Find the worker replicas as running pods with this label selector."
     ),
-    k8s_namespace: str | None = typer.Option(None, "--k8s-namespace", help="Namespace of the worker pods."),
-    worker_port: int = typer.Option(8002, "--worker-port", help="Worker pods' HTTP port."),
+    k8s_namespace: str | None = typer.Option(
+        None, "--k8s-namespace", "-n", help="Namespace of the worker pods (with --k8s-selector)."
+    ),
+    k8s_port: int = typer.Option(8002, "--k8s-port", help="Worker pods' HTTP port (with --k8s-selector)."),
     questions: Path = typer.Option(
         ...,
         "--questions",
@@ -135,7 +137,7 @@ def rl(
     ),
     dynamic_sampling: bool = typer.Option(
         False,
-        "--dynamic-sampling",
+        "--dynamic-sampling/--no-dynamic-sampling",
         help="DAPO-style: leave out groups whose rewards are all equal and sample more to fill the batch.",
     ),
     negative_advantage_scale: float = typer.Option(
@@ -176,7 +178,9 @@ def rl(
         min=1,
         help="Tries per judge call before the run stops.",
     ),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
+    resume: bool = typer.Option(
+        False, "--resume/--no-resume", help="Continue from the newest checkpoint under --out."
+    ),
     tp: int = typer.Option(
         1,
         "--tp",
@@ -193,6 +197,14 @@ def rl(
     the episode ids of each update to OUT/updates.jsonl. Kill it at any moment: --resume continues
     from the newest complete checkpoint. Bad input is one `error:` line.
     """
+    # The cheap checks first: torch's import (trainer, the loop) takes seconds.
+    for option, path in (("--questions", questions), ("--eval-questions", eval_questions)):
+        if path is not None and not path.exists():
+            fail(f"{option} {path}: no such file")
+    need_model("--model", model)
+    need_model("--ref", ref)
+    if mixed_versions not in ("keep", "drop", "error"):
+        fail(f"--mixed-versions must be keep, drop or error, not {mixed_versions!r}")
     from bcstack.evaluation.loaders import LoaderError, load_questions
     from bcstack.rl.loop import RLConfig, RLError, RLRun, follow
     from bcstack.rl.rollouts import RolloutError
@@ -205,8 +217,6 @@ def rl(
         layout = init_layout(tp)  # before loading anything: joins the torchrun job, if any
     except LayoutError as exc:
         fail(str(exc))
-    if mixed_versions not in ("keep", "drop", "error"):
-        fail(f"--mixed-versions must be keep, drop or error, not {mixed_versions!r}")
     token = os.environ.get("BCSTACK_ADMIN_TOKEN", "").strip()
     if state is not None:
         stack_file = state / "stack.json"
@@ -227,7 +237,7 @@ def rl(
         fail("the workers' admin token is needed to reload them: set BCSTACK_ADMIN_TOKEN (or --state)")
     try:
         if k8s_selector:
-            urls = k8s_worker_urls(k8s_selector, port=worker_port, namespace=k8s_namespace)
+            urls = k8s_worker_urls(k8s_selector, port=k8s_port, namespace=k8s_namespace)
         elif workers:
             urls = parse_worker_urls(workers)
         else:

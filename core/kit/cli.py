@@ -12,8 +12,9 @@ Only values typed on the command line become overrides. Click also reads the env
 variables it shows; those values are dropped, so pydantic-settings stays the one reader of the
 environment and `--config`: precedence, the misspelt-variable check and error messages naming
 the variable stay as core/kit/settings.py has them. Every option takes the text its variable
-would (a boolean: true or false) and the settings model validates it, so a bad value reads
-`invalid option --port: ...` as a bad variable reads `invalid environment variable ...`.
+would and the settings model validates it, so a bad value reads `invalid option --port: ...` as
+a bad variable reads `invalid environment variable ...`; a boolean setting is a pair of flags,
+`--log-json/--no-log-json`, as every boolean of the CLI is (its variable takes true or false).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_settings import NoDecode
+from typer._click.exceptions import MissingParameter, UsageError  # Typer's own click (0.20+)
 from typer.core import TyperCommand
 
 from core.kit.settings import ServiceSettings, SettingsError, env_var_name, is_secret, load_settings
@@ -50,6 +52,20 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def need_file(option: str, path: Path | str) -> None:
+    """`option`'s file is there, else one error line: checked before a command's heavy imports
+    (torch, transformers: seconds) so that a mistyped path is refused at once."""
+    if not Path(path).is_file():
+        fail(f"{option} {path}: no such file")
+
+
+def need_model(option: str, path: Path | str) -> None:
+    """`option` names a Hugging Face model folder (its config.json), else one error line; cheap, as
+    `need_file`."""
+    if not (Path(path) / "config.json").is_file():
+        fail(f"{option} {path}: not a model folder (no config.json)")
+
+
 def load_or_fail(cls: type[S], config: Path | None, **overrides: Any) -> S:
     try:
         return load_settings(cls, config_file=config, **overrides)
@@ -57,15 +73,65 @@ def load_or_fail(cls: type[S], config: Path | None, **overrides: Any) -> S:
         fail(str(e))
 
 
-class ServeCommand(TyperCommand):
-    """How `bcstack serve X` shows its help: click's plain option list, not Rich's table.
+class Command(TyperCommand):
+    """Every `bcstack` command: a missing-arguments error names every missing one, not the first.
 
-    Rich's table fits ~40 long option names, types and environment variables into 80 columns by
-    cutting them off with an ellipsis; click's list puts a long option's help on its own line.
+    Click stops at the first required parameter it finds missing ("Missing option '--model'"),
+    so a user fixes one, runs again and meets the next; this reads the whole command line first
+    and names them all in one line. `bcstack.cli` gives this class to every command it mounts.
+    """
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        given = list(args)  # click's parser consumes the list it is given
+        try:
+            return super().parse_args(ctx, args)
+        except MissingParameter as first:
+            missing = _missing(self, ctx, given)
+            if len(missing) < 2:
+                raise
+            raise UsageError(f"Missing {_listed(missing)}.", ctx) from first
+
+
+def _listed(params: list[Any]) -> str:
+    """ "argument 'PATH' and options '--model' and '--out'": each kind once, in the command's order."""
+    kinds: dict[str, list[str]] = {}
+    for param in params:
+        kinds.setdefault(param.param_type_name, []).append(param.get_error_hint())
+    parts = [
+        f"{kind}{'s' if len(hints) > 1 else ''} "
+        + (", ".join(hints[:-1]) + " and " if len(hints) > 1 else "")
+        + hints[-1]
+        for kind, hints in kinds.items()
+    ]
+    return " and ".join(parts)
+
+
+def _missing(command: TyperCommand, ctx: typer.Context, args: list[str]) -> list[Any]:
+    """The required parameters of `command` that `args`, their env vars and defaults leave unset."""
+    try:
+        opts, _, _ = command.make_parser(ctx).parse_args(args=list(args))
+    except UsageError:
+        return []
+    missing = []
+    for param in command.get_params(ctx):
+        if not param.required:
+            continue
+        value, _ = param.consume_value(ctx, opts)
+        if param.value_is_missing(value):
+            missing.append(param)
+    return missing
+
+
+class ServeCommand(Command):
+    """How `bcstack serve X` shows its help: click's plain option list (as every command does,
+    `bcstack.cli`), with a narrower option column.
+
+    The help column then holds the longest environment variable (48 characters) on one line at
+    80 columns; a long option name gets its help on a line of its own, never cut.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["rich_markup_mode"] = None
+        kwargs["rich_markup_mode"] = None  # also when mounted alone (python -m services.X)
         super().__init__(*args, **kwargs)
 
     def format_options(self, ctx: typer.Context, formatter: Any) -> None:
@@ -130,6 +196,8 @@ def serve_command(
 
 def _option(cls: type[ServiceSettings], name: str, alias: str | None) -> inspect.Parameter:
     info = cls.model_fields[name]
+    if _strip_optional(info.annotation) is bool:
+        return _flag(cls, name, info)
     decls = [f"--{_kebab(name)}"] + ([alias] if alias else [])
     default = _default_text(info)
     option = typer.Option(
@@ -143,6 +211,29 @@ def _option(cls: type[ServiceSettings], name: str, alias: str | None) -> inspect
         show_default=default is not None,
     )
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=str | None)
+
+
+def flag_names(name: str) -> tuple[str, str]:
+    """A boolean setting's two options: `--log-json/--no-log-json` (`no_search_guard`, already a
+    negative, gets `--no-search-guard/--no-search-guard-off`, not `--no-no-search-guard`)."""
+    on = f"--{_kebab(name)}"
+    return on, (f"{on}-off" if name.startswith("no_") else f"--no-{_kebab(name)}")
+
+
+def _flag(cls: type[ServiceSettings], name: str, info: FieldInfo) -> inspect.Parameter:
+    """A boolean setting as a `--x/--no-x` pair, as every boolean of the `bcstack` CLI is."""
+    on, off = flag_names(name)
+    default = info.get_default(call_default_factory=True) if not info.is_required() else None
+    shown = "" if default is None else f" (default: {'on' if default else 'off'})"
+    option = typer.Option(
+        None,  # not given: the environment, --config or the setting's default decide
+        f"{on}/{off}",
+        help=(info.description or "") + shown,
+        envvar=env_var_name(cls, name),
+        show_envvar=True,
+        show_default=False,
+    )
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=bool | None)
 
 
 def _typed(ctx: typer.Context, name: str) -> bool:

@@ -71,7 +71,7 @@ def tiny(
         help="Digit runs the pre-tokenizer keeps together: 1 is Qwen3's (every digit a token); 4 lets "
         "a year be one token, which a model trained from scratch copies far more easily.",
     ),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder."),
+    force: bool = typer.Option(False, "--force/--no-force", help="Replace a non-empty --out folder."),
 ) -> None:
     """Build the tiny model kit (see _TINY_HELP)."""
     from devkit.modelkit.build import MANIFEST_FILE, OutputDirError, build_tiny_kit

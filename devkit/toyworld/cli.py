@@ -78,7 +78,7 @@ def math(
         200, "--test", min=1, help="Held-out test prompts (plus 64 development prompts)."
     ),
     seed: int = typer.Option(0, "--seed", help="Random seed: the same seed gives byte-identical files."),
-    force: bool = typer.Option(False, "--force", help="Overwrite a non-empty --out."),
+    force: bool = typer.Option(False, "--force/--no-force", help="Overwrite a non-empty --out."),
 ) -> None:
     """Write a toy single-turn domain for the seed-004 specialists, in DAPO-Math-17k's row format.
 

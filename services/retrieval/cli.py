@@ -127,7 +127,7 @@ def search(
     k: int = typer.Option(5, "-k", "--k", help="Number of results."),
     mode: str = typer.Option("hybrid", "--mode", help="hybrid, lexical or dense."),
     url: str = typer.Option("http://127.0.0.1:8001", "--url", help="Retrieval service base URL."),
-    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON response."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print the raw JSON response."),
     words: int = typer.Option(40, "--words", help="Words of each hit's text to show."),
 ) -> None:
     """Query a running retrieval service and print the hits."""

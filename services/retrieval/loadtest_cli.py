@@ -46,7 +46,7 @@ def retrieval(
         "those in flight get --timeout more seconds, then the run stops hard.",
     ),
     grpc: bool = typer.Option(
-        False, "--grpc", help="Call bcstack.v1.RetrievalService/Search over gRPC instead of HTTP."
+        False, "--grpc/--no-grpc", help="Call bcstack.v1.RetrievalService/Search over gRPC instead of HTTP."
     ),
     queries: Path | None = typer.Option(
         None,
@@ -82,7 +82,9 @@ def retrieval(
     max_requests: int | None = typer.Option(
         None, "--max-requests", help="Stop early after this many requests (warmup included)."
     ),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-second progress lines on stderr."),
+    quiet: bool = typer.Option(
+        False, "--quiet/--no-quiet", "-q", help="No per-second progress lines on stderr."
+    ),
 ) -> None:
     """Load-test a running retrieval service and report achieved QPS, errors and latency.
 

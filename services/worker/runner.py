@@ -54,8 +54,8 @@ class Tokenizer(Protocol):
 @dataclass(frozen=True)
 class ProtocolSettings:
     """How calls are read and observations rendered; the defaults are what a FoldAgent-trained
-    worker expects, with the deliberate departures of docs/guide/worker.md, "Worker protocol: fidelity settings"
-    (each one switch away from upstream's behaviour)."""
+    worker expects, with the deliberate departures of docs/guide/worker.md, "Worker protocol:
+    fidelity settings" (each one switch away from upstream's behaviour)."""
 
     search_k: int = 50  # results asked of the retrieval service (FoldAgent asks 50, shows topk)
     default_topk: int = p.DEFAULT_TOPK

@@ -72,8 +72,8 @@ class WorkerSettings(ServiceSettings):
     max_topk: int = Field(
         10, ge=1, le=100, description="hits a search may show at most (slime port: 10; FoldAgent: no cap)"
     )
-    # Fidelity with FoldAgent's environment: docs/guide/worker.md, "Worker protocol: fidelity settings" says what
-    # each does upstream and why ours differs where it does.
+    # Fidelity with FoldAgent's environment: docs/guide/worker.md, "Worker protocol: fidelity
+    # settings" says what each does upstream and why ours differs where it does.
     no_search_guard: bool = Field(
         True,
         description="void an answer given before any search; bounce it once when it matches the gold answer",

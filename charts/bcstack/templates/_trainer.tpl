@@ -91,7 +91,7 @@ the keys. Takes the root context.
 {{- if eq $t.mode "rl" }}
 {{- include "bcstack.trainer.validateRl" . }}
 {{- $data = dict "key" "rl.questions" "block" $t.rl.questions "claim" (not (empty $t.rl.questions.existingClaim)) }}
-{{- $owned = list "--gateway" "--judge" "--workers" "--k8s-selector" "--k8s-namespace" "--worker-port" "--questions" "--model" "--ref" "--out" "--worker-checkpoint-root" "--updates" "--groups" "--group-size" "--max-policy-lag" "--resume" "--no-resume" "--lr" "--eval-every" "--eval-questions" "--report-to" "--metrics-port" "--tp" }}
+{{- $owned = list "--gateway" "--judge" "--workers" "--k8s-selector" "--k8s-namespace" "--k8s-port" "--questions" "--model" "--ref" "--out" "--worker-checkpoint-root" "--updates" "--groups" "--group-size" "--max-policy-lag" "--resume" "--no-resume" "--lr" "--eval-every" "--eval-questions" "--report-to" "--metrics-port" "--tp" }}
 {{- $keys = "the rl block, model, ref, out, resume, learningRate, tensorParallel" }}
 {{- end }}
 {{- /* The input files lie on their own claim, or (rl questions without one) on the checkpoint volume. */}}
@@ -261,7 +261,7 @@ context.
 - {{ include "bcstack.trainer.workerSelector" . | quote }}
 - --k8s-namespace
 - {{ .Release.Namespace | quote }}
-- --worker-port
+- --k8s-port
 - {{ .Values.worker.service.httpPort | int64 | quote }}
 - --worker-checkpoint-root
 - {{ $t.out | quote }}
