@@ -1,6 +1,11 @@
-# The two commands of the README: `make demo` and `make test`. Both set the machine up first.
-PYTHON ?= python3
-STAMP  := .make/install.stamp
+# The two commands of the README: `make demo` and `make test`. Both set the machine up first,
+# into a virtual environment (VENV, .venv by default) that every target here runs in: its python,
+# and its bin/ first on PATH (bcstack, pytest, lint-imports). BASE_PYTHON makes it (3.11 or newer).
+VENV ?= .venv
+BASE_PYTHON ?= python3
+PYTHON := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+export VIRTUAL_ENV := $(abspath $(VENV))
 PYTEST_ARGS ?=
 # PYTEST_WORKERS: pytest-xdist workers, a whole module each, slowest modules first
 # (tests/conftest.py); 2 by default, for the 2-core machine CI runs on (docs/development.md: the
@@ -8,18 +13,26 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 SPEEDRUN_ARGS ?=
 IMAGES_ARGS ?=
+INSTALL_INPUTS := pyproject.toml constraints.txt scripts/install.sh
 
-.PHONY: help install demo speedrun test lint proto dashboards images docs clean
+.PHONY: help install install-test demo speedrun test lint proto dashboards images docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-# Re-runs when the dependency list, the constraints or the install script change.
-$(STAMP): pyproject.toml constraints.txt scripts/install.sh
-	PYTHON=$(PYTHON) bash scripts/install.sh
-	@mkdir -p $(dir $@) && touch $@
+# The stamps live in the environment, so a removed .venv installs again; each re-runs when the
+# dependency list, the constraints or the install script change.
+$(VENV)/.installed-demo: $(INSTALL_INPUTS)
+	BASE_PYTHON=$(BASE_PYTHON) VENV=$(VENV) bash scripts/install.sh demo
+	@touch $@
 
-install: $(STAMP)  ## Debian packages, CPU torch, the package and its dev tools (idempotent)
+$(VENV)/.installed-test: $(INSTALL_INPUTS)
+	BASE_PYTHON=$(BASE_PYTHON) VENV=$(VENV) bash scripts/install.sh test
+	@touch $@ $(VENV)/.installed-demo
+
+install: $(VENV)/.installed-demo  ## .venv with CPU torch, the package and its dev tools (idempotent)
+
+install-test: $(VENV)/.installed-test  ## install, plus the Debian packages and tools the tests run
 
 demo: install  ## the main job on embedded defaults
 	$(PYTHON) -m bcstack.demo
@@ -30,7 +43,7 @@ demo: install  ## the main job on embedded defaults
 speedrun: install  ## the CPU learning proof: untrained -> SFT -> RL on held-out questions (~45 min)
 	$(PYTHON) bench/speedrun.py $(SPEEDRUN_ARGS)
 
-test: install  ## the whole test suite
+test: install-test  ## the whole test suite
 	$(PYTHON) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 lint: install  ## ruff, and the layer contracts (import-linter, pyproject.toml)
@@ -47,8 +60,8 @@ dashboards: install  ## regenerate the chart's Grafana dashboards in charts/bcst
 docs: install  ## the docs site (MkDocs, Material theme) into site/, strictly: a broken link fails
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 
-images:  ## build every image with docker, podman or buildah, in order; IMAGES_ARGS=--dry-run shows the plan
+images: install  ## build every image with docker, podman or buildah, in order; IMAGES_ARGS=--dry-run shows the plan
 	$(PYTHON) -m devkit.images $(IMAGES_ARGS)
 
-clean:  ## remove build outputs and the install stamp
-	rm -rf .make build *.egg-info .pytest_cache .ruff_cache .hypothesis
+clean:  ## remove build outputs and the install stamps (the environment stays: rm -rf .venv)
+	rm -rf .make build *.egg-info .pytest_cache .ruff_cache .hypothesis $(VENV)/.installed-*

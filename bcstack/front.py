@@ -74,7 +74,7 @@ class HaproxyFront:
             "/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None
         )
         if found is None:
-            raise FrontError("HAProxy is not installed: `make install` adds Debian's haproxy package")
+            raise FrontError("HAProxy is not installed: `make install-test` adds Debian's haproxy package")
         return found
 
     def start(self, *, timeout: float = 30) -> None:

@@ -7,7 +7,7 @@ gateways, and what the tests start for the PostgreSQL record store.
     server.stop()
 
 It uses the server binaries of the machine's PostgreSQL (Debian's `postgresql` package puts them in
-/usr/lib/postgresql/<version>/bin; `make install` installs it), found on PATH or there. The
+/usr/lib/postgresql/<version>/bin; `make install-test` installs it), found on PATH or there. The
 cluster listens on 127.0.0.1 and on a Unix socket inside its folder; host connections need the
 password (scram-sha-256), written once to `<folder>/password` (mode 0600) and read from there.
 PostgreSQL refuses to run as root: when bcstack runs as root (a container, CI), the server runs as
@@ -50,7 +50,7 @@ def server_bin(name: str) -> Path:
     )
     if not candidates:
         raise PostgresServerError(
-            f"PostgreSQL's {name} is not installed: `make install` adds Debian's postgresql package "
+            f"PostgreSQL's {name} is not installed: `make install-test` adds Debian's postgresql package "
             "(or apt-get install postgresql)"
         )
     return candidates[-1]

@@ -1,36 +1,76 @@
 #!/usr/bin/env bash
-# Idempotent set-up for a fresh machine: Debian packages, CPU torch, this package with its
-# dev extras. Every pip step uses constraints.txt so nothing can swap the CPU torch for a
-# CUDA build. Re-running it when everything is in place takes a few seconds.
+# Idempotent set-up for a fresh machine, into a virtual environment of its own (.venv), so that a
+# Debian or Ubuntu Python that refuses pip ("externally managed", PEP 668) works as any other:
+#
+#   scripts/install.sh demo   the environment: CPU torch, this package (editable) and its dev tools
+#   scripts/install.sh test   the same, plus the Debian packages and tools the test suite runs
+#                             (Prometheus, Chromium, PostgreSQL, HAProxy, openssl; SGLang's wheels
+#                             to read, checkov); `make test` runs this one, `make demo` the first
+#
+# Every pip step uses constraints.txt so nothing can swap the CPU torch for a CUDA build.
+# Re-running it when everything is in place takes a few seconds. BASE_PYTHON (python3) makes the
+# environment; VENV (.venv) is where it goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
+FOR=${1:-test}
+case "$FOR" in demo | test) ;; *) echo "usage: scripts/install.sh [demo|test]" >&2; exit 2 ;; esac
+BASE=${BASE_PYTHON:-python3}
+VENV=${VENV:-.venv}
+PY="$VENV/bin/python"
 export PIP_ROOT_USER_ACTION=ignore
 PIP=("$PY" -m pip install --disable-pip-version-check -q -c constraints.txt)
-# openssl: a test signs a stand-in Kubernetes API certificate; chromium + chromium-driver: the
-# episode viewer's browser test (tests/test_viewer_browser.py) drives headless Chromium with selenium;
-# postgresql: the gateways' shared record store (`bcstack up --records postgres`, its tests start
-# their own server with initdb); haproxy: the front `bcstack up --gateways N` balances them with.
-APT_PACKAGES=(prometheus openssl chromium chromium-driver postgresql haproxy)
 
-# 1. Debian packages the tests use (a real Prometheus server scrapes our /metrics; openssl).
-missing=()
-for pkg in "${APT_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
+apt_install() {  # the Debian packages of "$@" that are missing
+  local missing=() pkg
+  for pkg in "$@"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  ((${#missing[@]})) || return 0
+  if ! command -v apt-get >/dev/null; then
+    echo "install: not a Debian or Ubuntu system (no apt-get); install ${missing[*]} yourself" >&2
+    exit 1
+  fi
   echo "install: apt packages: ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  local SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  # The Debian package starts a system Prometheus where an init system runs; tests start their own.
-  $SUDO service prometheus stop >/dev/null 2>&1 || true
-  $SUDO service postgresql stop >/dev/null 2>&1 || true
-  $SUDO service haproxy stop >/dev/null 2>&1 || true
+  # A Debian package starts its system service where an init system runs; the tests start their own.
+  local service
+  for service in prometheus postgresql haproxy; do $SUDO service "$service" stop >/dev/null 2>&1 || true; done
+}
+
+# 0. A Python to make the environment with: 3.11 or newer.
+if ! command -v "$BASE" >/dev/null; then
+  echo "install: no $BASE on PATH; install Python 3.11 or newer (or set BASE_PYTHON)" >&2
+  exit 1
+fi
+if ! "$BASE" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "install: $BASE is $("$BASE" -V 2>&1); this project needs Python 3.11 or newer (set BASE_PYTHON)" >&2
+  exit 1
 fi
 
-# 2. torch first, the CPU build, before anything that depends on it.
+# 1. The virtual environment. Debian and Ubuntu ship venv's pip bootstrap (ensurepip) in a package
+# of its own, python3.X-venv.
+if [ ! -x "$PY" ]; then
+  echo "install: a virtual environment in $VENV ($("$BASE" -V 2>&1))"
+  if ! "$BASE" -m venv "$VENV" >/dev/null 2>&1; then
+    rm -rf "$VENV"
+    apt_install "python$("$BASE" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv"
+    "$BASE" -m venv "$VENV"
+  fi
+fi
+
+# 2. Only for the tests: the Debian packages they run. openssl: a test signs a stand-in Kubernetes
+# API certificate; chromium + chromium-driver: the episode viewer's browser test drives headless
+# Chromium with selenium; prometheus: a real server scrapes our /metrics and promtool checks the
+# rules; postgresql: the gateways' shared record store (its tests start their own server with
+# initdb); haproxy: the front `bcstack up --gateways N` balances them with. The demo needs none.
+if [ "$FOR" = test ]; then
+  apt_install prometheus openssl chromium chromium-driver postgresql haproxy
+fi
+
+# 3. torch first, the CPU build, before anything that depends on it.
 want_torch=$(sed -n 's/^torch==//p' constraints.txt)
 have_torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
 if [ "$have_torch" != "$want_torch" ]; then
@@ -38,11 +78,11 @@ if [ "$have_torch" != "$want_torch" ]; then
   "${PIP[@]}" "torch==$want_torch"
 fi
 
-# 3. The package itself (editable, so `bcstack` runs this checkout) with its dev extras.
+# 4. The package itself (editable, so `bcstack` runs this checkout) with its dev extras.
 echo "install: browsecomp-stack and its dependencies"
 "${PIP[@]}" -e '.[all,dev]'
 
-# 4. Guard: nothing may have replaced the CPU torch or pulled torchvision.
+# 5. Guard: nothing may have replaced the CPU torch or pulled torchvision.
 "$PY" - <<'PY'
 import importlib.util, sys
 import torch
@@ -51,17 +91,19 @@ if torch.version.cuda is not None or not torch.__version__.startswith("2.13.0"):
 if importlib.util.find_spec("torchvision") is not None:
     sys.exit("install: torchvision is installed; it does not import beside the CPU torch. pip uninstall torchvision")
 PY
-# 5. SGLang's wheels (the chart's pinned version and the newest release), for the contract tests:
-# downloaded once into .cache/sglang/<version>/ with `pip download --no-deps`, never installed.
-"$PY" -m devkit.sglang.source
-# 6. checkov, the IaC scanner the chart's presets are checked with (tests/test_chart_presets.py), in
-# an environment of its own under .cache/tools: its pins (packaging, networkx, ...) would otherwise
-# move this package's.
-CHECKOV_VERSION=3.3.30
-CHECKOV=.cache/tools/checkov
-if [ "$("$CHECKOV/bin/checkov" --version 2>/dev/null)" != "$CHECKOV_VERSION" ]; then
-  echo "install: checkov==$CHECKOV_VERSION (in $CHECKOV)"
-  "$PY" -m venv "$CHECKOV"
-  "$CHECKOV/bin/pip" install --disable-pip-version-check -q "checkov==$CHECKOV_VERSION"
+if [ "$FOR" = test ]; then
+  # 6. SGLang's wheels (the chart's pinned version and the newest release), for the contract tests:
+  # downloaded once into .cache/sglang/<version>/ with `pip download --no-deps`, never installed.
+  "$PY" -m devkit.sglang.source
+  # 7. checkov, the IaC scanner the chart's presets are checked with (tests/test_chart_presets.py),
+  # in an environment of its own under .cache/tools: its pins (packaging, networkx, ...) would
+  # otherwise move this package's.
+  CHECKOV_VERSION=3.3.30
+  CHECKOV=.cache/tools/checkov
+  if [ "$("$CHECKOV/bin/checkov" --version 2>/dev/null)" != "$CHECKOV_VERSION" ]; then
+    echo "install: checkov==$CHECKOV_VERSION (in $CHECKOV)"
+    "$PY" -m venv "$CHECKOV"
+    "$CHECKOV/bin/pip" install --disable-pip-version-check -q "checkov==$CHECKOV_VERSION"
+  fi
 fi
-echo "install: done"
+echo "install: done ($FOR, in $VENV)"

@@ -24,7 +24,7 @@ def prometheus(
         "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else ""
     )
     if not binary:
-        pytest.fail("no Prometheus server (Debian package `prometheus`): run `make install`")
+        pytest.fail("no Prometheus server (Debian package `prometheus`): run `make install-test`")
     port = find_free_port()
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},

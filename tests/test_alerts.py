@@ -26,7 +26,7 @@ OPERATING = Path(__file__).resolve().parents[1] / "docs" / "operating.md"
 def promtool() -> str:
     binary = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else "")
     if not binary:
-        pytest.fail("no promtool (Debian package `prometheus`): run `make install`")
+        pytest.fail("no promtool (Debian package `prometheus`): run `make install-test`")
     return binary
 
 

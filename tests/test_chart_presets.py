@@ -1,6 +1,6 @@
 """The chart's presets (charts/bcstack/presets/*.yaml): each renders against the values schema,
 passes the Kubernetes schemas and `helm lint`, and is scanned by checkov (a real IaC scanner,
-installed by `make install` in its own environment) with every finding left accepted, with its
+installed by `make install-test` in its own environment) with every finding left accepted, with its
 reason, in the preset itself; the one-GPU preset runs what its header says."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def accepted(preset: Path) -> dict[str, list[str]]:
 
 def checkov_findings(manifests: list[dict[str, Any]], folder: Path) -> set[tuple[str, str]]:
     """(check id, Kind/name) for every failed checkov check on the rendered objects."""
-    assert CHECKOV.is_file(), f"{CHECKOV} is missing: run `make install`"
+    assert CHECKOV.is_file(), f"{CHECKOV} is missing: run `make install-test`"
     path = folder / "rendered.yaml"
     path.write_text(yaml.safe_dump_all(manifests))
     done = subprocess.run(

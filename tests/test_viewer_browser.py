@@ -100,7 +100,7 @@ def served(tmp_path_factory) -> Iterator[tuple[str, object, Path]]:
     token once (the link a colleague is sent; a cookie from then on). Both start at once."""
     if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
         pytest.fail(
-            "no headless Chromium (Debian packages `chromium`, `chromium-driver`): run `make install`"
+            "no headless Chromium (Debian packages `chromium`, `chromium-driver`): run `make install-test`"
         )
     root = tmp_path_factory.mktemp("viewer-browser")
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(1) as pool:
