@@ -14,11 +14,23 @@ ROOT = Path(__file__).resolve().parents[1]
 def _make_n(target: str, *overrides: str) -> str:
     """What `make TARGET` would run, printed, nothing run (its install stamps taken as done)."""
     venv = next((o.split("=", 1)[1] for o in overrides if o.startswith("VENV=")), ".venv")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     run = subprocess.run(
-        ["make", "-n", "-o", f"{venv}/.installed-demo", "-o", f"{venv}/.installed-test", target, *overrides],
+        [
+            "make",
+            "--no-print-directory",
+            "-n",
+            "-o",
+            f"{venv}/.installed-demo",
+            "-o",
+            f"{venv}/.installed-test",
+            target,
+            *overrides,
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=env,
     )
     assert run.returncode == 0, run.stderr
     return run.stdout
@@ -34,8 +46,10 @@ def test_every_target_runs_the_environments_python():
 
 def test_the_demo_installs_no_debian_package_and_the_tests_do():
     """`make demo` needs no browser, database or Prometheus; `make test` installs what its tests run."""
-    demo = subprocess.run(["make", "-n", "-B", "install"], capture_output=True, text=True, cwd=ROOT)
-    test = subprocess.run(["make", "-n", "-B", "install-test"], capture_output=True, text=True, cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    make = ["make", "--no-print-directory", "-n", "-B"]
+    demo = subprocess.run([*make, "install"], capture_output=True, text=True, cwd=ROOT, env=env)
+    test = subprocess.run([*make, "install-test"], capture_output=True, text=True, cwd=ROOT, env=env)
     assert "scripts/install.sh demo" in demo.stdout and "install.sh test" not in demo.stdout
     assert "scripts/install.sh test" in test.stdout
     script = (ROOT / "scripts" / "install.sh").read_text()

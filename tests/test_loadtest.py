@@ -131,8 +131,8 @@ def fresh(server):
 
 
 def _cli(*args: str):
-    """Invoke the command mounted the way bcstack/cli.py mounts it."""
-    root = typer.Typer()
+    """Invoke the command mounted the way bcstack/cli.py mounts it (its help renderer too)."""
+    root = typer.Typer(rich_markup_mode=None)
     root.add_typer(loadtest_app, name="loadtest")
 
     @root.callback()
