@@ -180,6 +180,44 @@ def test_tutorial_00_commands_run_as_written(stack, tmp_path):
     assert "12/12 (100.00%)" in outputs[-1]  # the expert answers every toy question
 
 
+def test_the_demos_midway_endpoint_swap_loses_no_episode(stack, tmp_path):
+    """`make demo`'s swap (bcstack/demo.py): a second stand-in coordinator LLM, the gateway moved to
+    it while an evaluation runs, every episode answered, some by each endpoint; then back."""
+    from collections import Counter
+
+    from bcstack.demo import BACKUP, MidwaySwap, run_files, start_backup_llm
+    from bcstack.evaluation.cli import run_with_progress
+    from bcstack.evaluation.loaders import load_questions
+
+    state, services = stack["state"], stack["info"]["services"]
+    gateway = services["coordinator"]["http"]
+    questions = load_questions(stack["all_questions"])
+    backup, base_url = start_backup_llm(state)
+    try:
+        swap = MidwaySwap(gateway, (state / "admin-token").read_text().strip(), base_url, at=4)
+        tally = run_with_progress(
+            questions, tmp_path / "eval", gateway, services["judge"]["http"], concurrency=2,
+            after_each=swap.after_each,
+        )  # fmt: skip
+        swap.thread.join(timeout=60)
+        assert swap.error is None and swap.done_at == 4
+        runs = run_files(tmp_path / "eval")
+        by_endpoint = Counter(run["endpoint"] for run in runs)
+        assert len(runs) == len(questions) == tally["correct"]
+        assert by_endpoint["default"] >= 4 and by_endpoint[BACKUP] >= 1, by_endpoint
+        assert all(run["status"] == "finish" and not run["error"] for run in runs)
+    finally:
+        httpx.put(
+            f"{gateway}/admin/coordinator",
+            json={"activate": "default"},
+            headers={"Authorization": f"Bearer {(state / 'admin-token').read_text().strip()}"},
+            timeout=30,
+        ).raise_for_status()
+        backup.terminate()
+        backup.wait(timeout=30)
+    assert httpx.get(f"{gateway}/health", timeout=5).json()["endpoint"] == "default"
+
+
 def test_a_killed_eval_run_resumes_without_redoing_or_losing_questions(stack, tmp_path):
     out = tmp_path / "killed"
     cmd = [

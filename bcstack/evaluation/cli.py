@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -118,8 +119,12 @@ def run_with_progress(
     budget: dict | None = None,
     label: str = "eval",
     service_wait: float | None = None,
+    after_each: Callable[[int], None] | None = None,
 ) -> dict[str, int]:
     """Run (or resume) an evaluation with a progress bar showing the accuracy so far; the tally.
+
+    after_each: called with the number of questions graded so far after each one (on the event
+    loop: it must not block).
 
     Raises EvalRunError when the gateway or the judge cannot be used.
     """
@@ -154,6 +159,8 @@ def run_with_progress(
             share = 100 * tally["correct"] / tally["graded"]
             acc = f"accuracy so far {tally['correct']}/{tally['graded']} ({share:.1f}%)"
             progress.update(bar, advance=1, accuracy=acc)
+            if after_each is not None:
+                after_each(tally["graded"])
 
         asyncio.run(runner.run(run_id, tasks, on_done))
     return tally
