@@ -196,6 +196,12 @@ def test_serve_command_options_are_the_settings() -> None:
     }
 
 
+def test_serve_command_refuses_a_second_name_for_a_boolean() -> None:
+    # A boolean setting is its --x/--no-x pair; an alias would make a second pair, so it is refused.
+    with pytest.raises(ValueError, match="no alias for boolean setting"):
+        serve_command(KitSettings, print, help="h", aliases={"log_json": "--json-logs"})
+
+
 def test_serve_command_option_beats_env_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BCSTACK_KIT_TEST_BATCH_SIZE", "16")
     monkeypatch.setenv("BCSTACK_KIT_TEST_LABEL", "from-env")

@@ -32,7 +32,7 @@ import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_settings import NoDecode
-from typer._click.exceptions import MissingParameter, UsageError  # Typer's own click (0.20+)
+from typer._click.exceptions import MissingParameter, UsageError  # Typer's own click (pyproject: 0.29+)
 from typer.core import TyperCommand
 
 from core.kit.settings import ServiceSettings, SettingsError, env_var_name, is_secret, load_settings
@@ -93,7 +93,7 @@ class Command(TyperCommand):
 
 
 def _listed(params: list[Any]) -> str:
-    """ "argument 'PATH' and options '--model' and '--out'": each kind once, in the command's order."""
+    """`argument 'path' and options '--model' and '--out'`: each kind once, in the command's order."""
     kinds: dict[str, list[str]] = {}
     for param in params:
         kinds.setdefault(param.param_type_name, []).append(param.get_error_hint())
@@ -162,6 +162,10 @@ def serve_command(
     unknown = (set(aliases) | set(omit)) - set(fields)
     if unknown:
         raise ValueError(f"{settings_cls.__name__} has no setting(s) {', '.join(sorted(unknown))}")
+    flags = {name for name in aliases if _strip_optional(fields[name].annotation) is bool}
+    if flags:  # a boolean is its --x/--no-x pair (_flag); a second name would be a second pair
+        names = ", ".join(sorted(flags))
+        raise ValueError(f"{settings_cls.__name__}: no alias for boolean setting(s) {names}")
     if "config" in fields:
         raise ValueError(f"{settings_cls.__name__}: a setting named 'config' would shadow --config")
     secrets = [name for name in fields if is_secret(settings_cls, name)]
