@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -424,8 +425,11 @@ def main() -> None:
         Table("Stage seconds", ["stage", "seconds"], [[k, v] for k, v in seconds.items()]),
     ]
     path = write_results("specialists", tables, {"work": str(work)}, args.results, dirty_ok=args.dirty_ok)
+    # The plot beside the report (docs/guide/specialists.md shows it): pass@1 with the paired intervals.
+    plot = path.with_suffix(".png")
+    shutil.copyfile(work / "passk" / "passk.png", plot)
     print((work / "passk" / "table.md").read_text())
-    print(f"wrote {path}")
+    print(f"wrote {path} and {plot}")
 
 
 if __name__ == "__main__":
