@@ -3,7 +3,8 @@
 Every stage runs through the live stack (`bcstack up`: retrieval, engine, worker, scripted coordinator
 LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
 
-1. world    one toy world with a test split (50 questions per tier, the demo's) and a large train split
+1. world    one toy world (`--world-seed`) with a test split and a dev split (50 questions per tier each,
+            page-disjoint from each other and from train) and a large train split
             (`--train-easy` plus medium and hard) whose questions read no page a test question reads,
             and `--rl-easy` more easy questions kept for RL alone (SFT never sees them); the tiny kit
             (its tokenizer is trained on the fixed toy text, so it serves any world, and keeps a year
@@ -21,7 +22,9 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
 4. sft      `trainer.sft` on the token-balanced mixture: expert trajectories x `--core-repeat` and gate
             rows sampled to `--gate-fraction` of their supervised tokens; settings scaled for a model
             trained from scratch (LR, batch), printed;
-5. eval     the untrained model and the SFT model on the 150 held-out test questions through the stack,
+5. eval     the untrained model and the SFT model on the 150 held-out questions through the stack: the dev
+            split, or with `--final` the test split (read once, for the final report: every choice is
+            made on dev first),
             under one worker budget sized from the expert's trajectories (`--budget-factor` x the longest);
             the SFT (and RL) model for `--eval-rounds` rounds per question, the untrained one for one;
 6. rl       `bcstack train rl` from the SFT model on the `--rl-easy` questions (and the train questions
@@ -39,7 +42,12 @@ of `bcstack up`), stated in the output; no code path is special to the speedrun.
 `--replicas` worker replicas (one per core by default): the CPU engine decodes on one core, and the
 gateway spreads episodes over the replicas.
 
-    python -m bcstack.speedrun [--state .bcstack-speedrun] [--train-easy 2000] [--rl-minutes 8]
+Two seeds: `--world-seed` makes the world (corpus, questions, splits, which easy questions RL
+keeps); `--train-seed` makes the training randomness (the tiny model's initial weights, the copy
+stage, SFT's mixture order, RL's question order and rollout sampling), so one world can be run
+several times for the spread between runs of one recipe.
+
+    python -m bcstack.speedrun [--state .bcstack-speedrun] [--world-seed 1] [--train-seed 0] [--final]
 """
 
 from __future__ import annotations
@@ -210,8 +218,9 @@ def build_assets(state: Path, args: argparse.Namespace) -> dict[str, Path]:
     if not (world / "world.json").is_file():
         made = generate_world(
             args.docs,
-            args.seed,
+            args.world_seed,
             questions_per_tier=args.questions_per_tier,
+            dev_per_tier=args.questions_per_tier,
             train_easy=args.train_easy + args.rl_easy,
             train_medium=args.train_medium,
             train_hard=args.train_hard,
@@ -223,7 +232,7 @@ def build_assets(state: Path, args: argparse.Namespace) -> dict[str, Path]:
             hidden_size=h, num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
             head_dim=h // 4, intermediate_size=3 * h,
         )  # fmt: skip
-        build_tiny_kit(kit, seed=args.seed, shape=shape, number_digits=args.number_digits)
+        build_tiny_kit(kit, seed=args.train_seed, shape=shape, number_digits=args.number_digits)
     if not (index / "manifest.json").is_file():
         _run(["index", "--corpus", str(world / "corpus.jsonl"), "--index-dir", str(index), "--dense", "none"])
     return {"world": world, "kit": kit, "index": index}
@@ -320,7 +329,7 @@ def render_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, rl_metrics: list[dict], path: Path) -> None:
+def plot(summary: dict, rl_metrics: list[dict], path: Path) -> None:  # noqa: PLR0915
     """Accuracy per stage with Wilson intervals; the RL reward and held-out accuracy over updates."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -343,7 +352,11 @@ def plot(summary: dict, rl_metrics: list[dict], path: Path) -> None:
             marker=marker, linestyle="none", color="black", label=tier,
         )  # fmt: skip
     ax.set_ylabel("held-out accuracy (%)")
-    ax.set_title("Held-out test split, Wilson 95% intervals")
+    ax.set_title(
+        f"Held-out {summary.get('split', 'test')} split (world {summary.get('world_seed', 0)}, training seed "
+        f"{summary.get('train_seed', 0)}), Wilson 95%",
+        fontsize=9,
+    )
     ax.legend(loc="upper left", fontsize=8)
     # The policy's success rate on its rollouts: every sampled group's (dynamic sampling trains only
     # the groups with unequal rewards, whose mean is pulled towards 0.5).
@@ -381,9 +394,17 @@ def main(argv: list[str] | None = None) -> int:
     add = parser.add_argument
     add("--state", type=Path, default=Path(".bcstack-speedrun"), help="working folder (kept; resumable)")
     add("--fresh", action="store_true", help="remove the state folder first")
-    add("--docs", type=int, default=12_000, help="toy world documents")
-    add("--seed", type=int, default=0, help="world and model seed")
-    add("--questions-per-tier", type=int, default=50, help="held-out test questions per tier")
+    add("--docs", type=int, default=14_000, help="toy world documents")
+    add("--world-seed", type=int, default=0, help="the world: corpus, questions, splits")
+    add("--train-seed", type=int, default=0,
+        help="training randomness: initial weights, copy stage, SFT order, RL order")  # fmt: skip
+    add("--questions-per-tier", type=int, default=50, help="held-out questions per tier, in test and in dev")
+    add(
+        "--final",
+        action="store_true",
+        help="evaluate on the test split (the final report; read once, after every choice was made on "
+        "dev); default: the dev split",
+    )
     add("--train-easy", type=int, default=2000, help="easy train questions for the expert and SFT")
     add(
         "--rl-easy",
@@ -476,15 +497,21 @@ def main(argv: list[str] | None = None) -> int:
         tl.stage("world", "toy world, tiny kit, lexical-only index")
         assets = build_assets(state, args)
         world, kit, index = assets["world"], assets["kit"], assets["index"]
-        test_questions = load_questions(world / "questions.jsonl")
-        sft_rows, rl_rows = split_train(world, args.rl_easy, rl_tiers, args.seed)
+        split = "test" if args.final else "dev"
+        held_file = world / ("questions.jsonl" if args.final else "dev.jsonl")
+        if not held_file.is_file():
+            raise StackError(f"{world} has no {held_file.name} (made before the dev split); use --fresh")
+        test_questions = load_questions(held_file)
+        print(f"   evaluating on the {split} split ({held_file.name})"
+              + ("" if args.final else "; --final evaluates on test"), flush=True)  # fmt: skip
+        sft_rows, rl_rows = split_train(world, args.rl_easy, rl_tiers, args.world_seed)
         sft_questions, rl_questions = state / "sft-questions.jsonl", state / "rl-questions.jsonl"
         for path, rows in ((sft_questions, sft_rows), (rl_questions, rl_rows)):
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         train_questions = load_questions(sft_questions)
         print(f"   {len(train_questions)} train questions for the expert and SFT, {len(rl_rows)} for RL "
               f"({args.rl_easy} easy ones SFT never sees), "
-              f"{len(test_questions)} held-out test questions")  # fmt: skip
+              f"{len(test_questions)} held-out {split} questions")  # fmt: skip
 
         records = state / "expert-records.jsonl"
         if not records.is_file():
@@ -536,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             texts = [d["text"] for d in toy_world_corpus().documents]
             copy_pretrain(
                 kit, base, steps=args.copy_steps, texts=texts, text_fraction=args.copy_text_fraction,
-                on_step=show,
+                on_step=show, seed=args.train_seed,
             )  # fmt: skip
         start_model = base if args.copy_steps else kit
 
@@ -550,11 +577,12 @@ def main(argv: list[str] | None = None) -> int:
                 "--lr", str(args.sft_lr), "--min-lr", str(args.sft_min_lr),
                 "--global-batch", str(args.sft_batch), "--epochs", str(args.sft_epochs),
                 "--micro-batch-tokens", str(micro_batch), "--checkpoint-every", "100",
+                "--seed", str(args.train_seed),
                 *(["--resume"] if (sft_out / "checkpoints").is_dir() else []),
             ])  # fmt: skip
         sft_model = sft_out / "serving"
 
-        evals = {"untrained": state / "eval-untrained", "sft": state / "eval-sft", "rl": state / "eval-rl"}
+        evals = {k: state / f"eval-{split}-{k}" for k in ("untrained", "sft", "rl")}
         if not _evaluated(evals["untrained"], len(test_questions)):
             tl.stage("eval untrained", f"the untrained model on {len(test_questions)} held-out questions")
             info = _stack(state / "stack", str(kit), world, kit, index, settings, args.replicas)
@@ -581,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--updates", "1000", "--max-minutes", f"{minutes_left:.4g}",
                 "--groups", str(args.rl_groups), "--group-size", str(args.rl_group_size),
                 "--max-policy-lag", str(args.rl_max_policy_lag), "--lr", str(args.rl_lr),
+                "--seed", str(args.train_seed),
                 "--steps-per-update", str(args.rl_steps_per_update),
                 "--vector-lr-scale", str(args.rl_vector_lr_scale),
                 *(["--dynamic-sampling"] if args.rl_dynamic_sampling else []),
@@ -614,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
             tl.seconds,
         )  # fmt: skip
         rl_metrics = read_metrics(rl_out)
+        summary["split"] = split
+        summary["world_seed"] = args.world_seed
+        summary["train_seed"] = args.train_seed
         summary["settings"] = {
             "worker": settings,
             "budget": budget,

@@ -1,20 +1,25 @@
 """Benchmark: RL variants side by side, each from the same SFT model of a finished speedrun, each
-judged on the held-out test questions against that SFT model's own evaluation.
+judged on the held-out dev questions against that SFT model's own evaluation on them.
+
+Variants are choices, and choices are made on the dev split: the test split is refused unless
+`--final` is given (for a final report after the choice, read once).
 
     python bench/rl_variants.py --state .bcstack-speedrun \\
         --variant 'positive only=--lr 3e-5 --vector-lr-scale 300 --negative-advantage-scale 0' \\
         --variant 'seed GRPO=--lr 3e-5 --vector-lr-scale 300 --negative-advantage-scale 1' \\
-        [--minutes 10] [--rounds 3] [--tiers easy] [--work DIR] [--results FILE] [--dirty-ok]
+        [--minutes 10] [--rounds 3] [--tiers easy] [--work DIR] [--results FILE] [--dirty-ok] [--final]
 
 A variant is NAME=FLAGS: FLAGS are `bcstack train rl` options added to the speedrun's own (its
 `rl-questions.jsonl`, budget, worker settings and replicas, 8 groups x 8 episodes, dynamic
 sampling, 4 steps per update, synchronous), later flags winning. Each variant, in turn: a fresh
 stack serving the speedrun's SFT model, `bcstack train rl --max-minutes M`, then an evaluation of
-its last export on the held-out questions of --tiers for --rounds rounds through a fresh stack.
-The comparison is paired with the speedrun's SFT evaluation (`eval-sft`, the same questions and
-round numbers): improved/regressed pairs, Δ pp with Newcombe's interval, exact McNemar p, as
+its last export on the dev questions of --tiers for --rounds rounds through a fresh stack.
+The comparison is paired with the SFT model's evaluation on the same questions and round numbers
+(`STATE/eval-dev-sft`, the speedrun's own when it ran on dev, else made here once and kept):
+improved/regressed pairs, Δ pp with Newcombe's interval, exact McNemar p, as
 `bcstack eval report --baseline` computes them. Also per variant: updates, the KL to the SFT
-model, the rollout entropy (first three and last three updates), the success rate over every
+model, the sampled tokens' mean negative log-prob (first three and last three updates; the
+policy's entropy when rollouts sample at top-p 1.0), the success rate over every
 sampled group (first three and last three), and how far the final norm gain (the output head's
 scale) moved, the parameter through which a policy can sharpen every distribution at once.
 
@@ -77,6 +82,34 @@ def _filtered(eval_dir: Path, keep: set[str], out: Path) -> Path:
     return out
 
 
+def held_out(world: Path, args: argparse.Namespace) -> list:
+    """The questions of --tiers in the split the variants are judged on (dev; test with --final)."""
+    path = world / ("questions.jsonl" if args.split == "test" else "dev.jsonl")
+    if not path.is_file():
+        raise SystemExit(
+            f"{world} has no {path.name}: rerun the speedrun (a world from before the dev split)"
+        )
+    return [q for q in load_questions(path) if q.tier in args.tiers]
+
+
+def sft_baseline(state: Path, args: argparse.Namespace) -> None:
+    """STATE/eval-{split}-sft: the SFT model on the held-out questions, --rounds rounds, made once."""
+    out = state / f"eval-{args.split}-sft"
+    questions = held_out(state / "world", args)
+    if (out / "judgements.jsonl").is_file():
+        return
+    report = json.loads((state / "report.json").read_text())
+    budget = {k: int(v) for k, v in report["settings"]["budget"].items()}
+    replicas = int(report["settings"]["args"].get("replicas", 1))
+    stack = Path(tempfile.mkdtemp(prefix="sft-baseline-", dir=args.work)) / "stack"
+    info = _stack(stack, str(state / "sft" / "serving"), state / "world", state / "kit", state / "index",
+                  dict(OBSERVATION_SETTINGS), replicas)  # fmt: skip
+    try:
+        evaluate("sft", _urls(info), questions, out, budget, 16, args.rounds)
+    finally:
+        down(stack, say=lambda _s: None)
+
+
 def run_variant(state: Path, name: str, flags: list[str], args: argparse.Namespace, work: Path) -> dict:
     report = json.loads((state / "report.json").read_text())
     budget = {k: int(v) for k, v in report["settings"]["budget"].items()}
@@ -105,15 +138,16 @@ def run_variant(state: Path, name: str, flags: list[str], args: argparse.Namespa
         down(stack, say=lambda _s: None)
         raise SystemExit(f"{name}: train rl failed (exit {result.returncode}); see above")
     model = exports[-1]
-    questions = [q for q in load_questions(world / "questions.jsonl") if q.tier in args.tiers]
+    questions = held_out(world, args)
     info = _stack(stack, str(model), world, kit, index, settings, replicas)
     try:
         evaluate(name, _urls(info), questions, out / "eval", budget, 16, args.rounds)
     finally:
         down(stack, say=lambda _s: None)
     keep = {q.query_id for q in questions}
-    paired = build_report(out / "eval", _filtered(state / "eval-sft", keep, out / "eval-sft")).paired
-    entropy = [m["entropy"] for m in metrics]
+    baseline = state / f"eval-{args.split}-sft"
+    paired = build_report(out / "eval", _filtered(baseline, keep, out / "eval-sft")).paired
+    nll = [m.get("sampled_token_nll", m.get("entropy", 0.0)) for m in metrics]
     sampled = [m.get("sampled_reward_mean", m["reward_mean"]) for m in metrics]
     return {
         "name": name,
@@ -121,7 +155,7 @@ def run_variant(state: Path, name: str, flags: list[str], args: argparse.Namespa
         "updates": len(metrics),
         "rl_seconds": rl_seconds,
         "kl": metrics[-1]["kl"],
-        "entropy": (statistics.fmean(entropy[:3]), statistics.fmean(entropy[-3:])),
+        "nll": (statistics.fmean(nll[:3]), statistics.fmean(nll[-3:])),
         "sampled": (statistics.fmean(sampled[:3]), statistics.fmean(sampled[-3:])),
         "gain": (_norm_gain(sft), _norm_gain(model)),
         "paired": paired,
@@ -146,11 +180,17 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=None, help="where the variants' runs go")
     parser.add_argument("--results", type=Path, default=None, help="results file")
     parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
+    parser.add_argument(
+        "--final",
+        action="store_true",
+        help="judge on the test split (default: dev); only for the final report of a choice already made",
+    )
     args = parser.parse_args()
     args.tiers = {t.strip() for t in args.tiers.split(",") if t.strip()}
+    args.split = "test" if args.final else "dev"
     state = args.state.resolve()
-    if not (state / "report.json").is_file() or not (state / "eval-sft" / "judgements.jsonl").is_file():
-        parser.error(f"--state {state}: not a finished speedrun (no report.json or eval-sft)")
+    if not (state / "report.json").is_file() or not (state / "sft" / "serving").is_dir():
+        parser.error(f"--state {state}: not a finished speedrun (no report.json or SFT model)")
     variants = []
     for spec in args.variant:
         name, sep, flags = spec.partition("=")
@@ -160,23 +200,26 @@ def main() -> int:
     require_clean_tree("rl_variants", args.dirty_ok)  # before the run, not after it
     print("machine:")
     print_machine()
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-rl-variants-"))
+    work = args.work = args.work or Path(tempfile.mkdtemp(prefix="bench-rl-variants-"))
     work.mkdir(parents=True, exist_ok=True)
+    sft_baseline(state, args)
     results = [run_variant(state, name, flags, args, work) for name, flags in variants]
 
     rows = []
     for r in results:
         p = r["paired"]
         rows.append([
-            r["name"], r["flags"], r["updates"], round(r["rl_seconds"]), r["kl"], list(r["entropy"]),
+            r["name"], r["flags"], r["updates"], round(r["rl_seconds"]), r["kl"], list(r["nll"]),
             list(r["sampled"]), list(r["gain"]), f"{r['correct']}/{r['total']}",
             p["improved"], p["regressed"], p["delta_pp"], list(p["delta_ci_pp"]), p["mcnemar_p"],
         ])  # fmt: skip
     table = Table(
-        title=f"RL variants from the SFT model of {state}, held-out {', '.join(sorted(args.tiers))}, "
+        title=f"RL variants from the SFT model of {state}, {args.split} split "
+        f"({', '.join(sorted(args.tiers))}), "
         f"{args.rounds} round(s), paired with the SFT model's evaluation",
         columns=["variant", "train rl flags (beside the speedrun's)", "updates", "RL s", "final KL",
-                 "entropy first 3 → last 3", "sampled reward first 3 → last 3", "norm gain SFT → RL",
+                 "sampled-token NLL first 3 → last 3", "sampled reward first 3 → last 3",
+                 "norm gain SFT → RL",
                  "held-out correct", "improved", "regressed", "Δ pp", "paired 95% CI (pp)", "McNemar p"],
         rows=rows,
         notes=[f"Every variant: {shlex.join(BASE_FLAGS)} and the speedrun's budget, questions and replicas; "

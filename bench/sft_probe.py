@@ -9,7 +9,8 @@ the copy stage (`trainer.copy_stage`) -> `bcstack train sft` on expert trajector
 `expert-snippets` policy, played offline against the real embedded BM25 backend, observations
 rendered by `core.protocol` with the speedrun's worker settings) -> free-running greedy episodes on
 held-out easy questions of another world: the first search exactly the question, the episode
-finished, the answer correct (exact match), with a Wilson interval.
+finished, the answer correct (exact match), with a Wilson interval. The probe makes choices, so it
+reads that world's dev split; the test split only with `--final` (a final report of a choice made).
 
 Variants (`--variants`, comma-separated):
     digits1   Qwen3's pre-tokenizer: every digit its own token (years are four tokens to copy)
@@ -205,6 +206,8 @@ def main() -> None:
     add("--layers", type=int, default=4)
     add("--results", type=Path, default=None, help="results file (default bench/results/sft_probe.md)")
     add("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
+    add("--final", action="store_true",
+        help="evaluate on the held-out world's test split (default: its dev split, for choices)")  # fmt: skip
     args = parser.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]
@@ -220,8 +223,9 @@ def main() -> None:
         work = Path(tmp)
         train_world = generate_world(10_000, 1, questions_per_tier=0, train_easy=args.easy, train_medium=0,
                                      train_hard=0)  # fmt: skip
-        test_world = generate_world(2000, 0)
-        test = [q for q in test_world.test if q["data_source"].endswith("easy")][: args.test]
+        test_world = generate_world(3000, 0, dev_per_tier=args.test)
+        held = test_world.test if args.final else test_world.dev
+        test = [q for q in held if q["data_source"].endswith("easy")][: args.test]
         train_tools = Tools(train_world.corpus, work / "train-index")
         test_tools = Tools(test_world.corpus, work / "test-index")
 
@@ -233,7 +237,11 @@ def main() -> None:
             for q in train_world.train:
                 messages, _ = episode(q["query"], train_tools, expert, max_turns=8)
                 out.write(json.dumps({"messages": messages, "supervise": "assistant"}) + "\n")
-        print(f"{len(train_world.train)} expert episodes, {len(test)} held-out easy questions", flush=True)
+        split = "test" if args.final else "dev"
+        print(
+            f"{len(train_world.train)} expert episodes, {len(test)} held-out easy {split} questions",
+            flush=True,
+        )
         results = []
         for name in names:
             print(f"== {name}", flush=True)
@@ -257,7 +265,12 @@ def main() -> None:
     if len(results) == 2 and results[0]["correct"]:
         ratio = results[1]["correct"] / results[0]["correct"]
         notes.append(f"correct, {results[1]['variant']} / {results[0]['variant']}: {ratio:.2f}x")
-    table = Table("Held-out easy questions, free-running greedy episodes", columns, rows, notes)
+    table = Table(
+        f"Held-out easy {'test' if args.final else 'dev'} questions, free-running greedy episodes",
+        columns,
+        rows,
+        notes,
+    )
     path = write_results(
         "sft_probe", [table], {"setting": setting}, path=args.results, dirty_ok=args.dirty_ok
     )

@@ -1,17 +1,23 @@
 """Benchmark: `make speedrun`, the CPU learning proof, with a committed report.
 
     python bench/speedrun.py [--dirty-ok] [--results-dir DIR] [SPEEDRUN OPTIONS ...]
+    python bench/speedrun.py --summary-only
 
 It runs `bcstack.speedrun` (its `main`, in this process) with every other option passed through
 (`python -m bcstack.speedrun --help` lists them; `--state` is read here too, to find the report),
-then writes from the speedrun's `STATE/report.json`:
+then writes from the speedrun's `STATE/report.json`, one set of files per run, named by its world
+seed, training seed and split (RUN = speedrun-w{world}-t{training}-{test|dev}):
 
-- bench/results/speedrun.md: the command, commit, machine and date, then the report's raw numbers:
+- bench/results/RUN.md: the command, commit, machine and date, then the report's raw numbers:
   the three rows (untrained, SFT, SFT + RL: correct/total per tier and in all, Wilson intervals),
   the paired comparisons (improved/regressed, Δ pp, Newcombe's interval, exact McNemar p), the same
   with questions as the units when there were several rounds, each stage's seconds, and the RL run;
-- bench/results/speedrun.json: report.json itself, with the commit, machine, date and command added;
-- bench/results/speedrun.png: the speedrun's plot.
+- bench/results/RUN.json: report.json itself, with the commit, machine, date and command added;
+- bench/results/RUN.png: the speedrun's plot;
+- bench/results/speedrun-summary.md, rewritten from every RUN.json there: per world and split, each
+  stage's mean accuracy and spread over the runs, and per run the two checks the speedrun must pass
+  (SFT's easy Wilson interval above the untrained model's; SFT + RL above SFT, exact McNemar
+  p < 0.05), a miss printed as a miss. `--summary-only` rewrites it without running anything.
 
 The speedrun lives in the package (`bcstack/speedrun.py`, which knows nothing of bench/); this
 script only checks the checkout first and files the report. It refuses, before the run, a checkout
@@ -28,6 +34,7 @@ import datetime
 import json
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +53,8 @@ from common import (  # noqa: E402
     require_clean_tree,
     write_results,
 )
+
+from bcstack.evaluation.report import wilson_interval  # noqa: E402
 
 # The rows bcstack.speedrun's main summarises, in its order: a report without one is not filed.
 STAGES = ("Untrained tiny", "SFT", "SFT + RL")
@@ -77,7 +86,8 @@ def speedrun_tables(report: dict[str, Any]) -> list[Table]:
         ])  # fmt: skip
     tables = [
         Table(
-            "Held-out test questions per stage",
+            f"Held-out {report.get('split', 'test')} questions per stage (world seed "
+            f"{report.get('world_seed', 0)}, training seed {report.get('train_seed', 0)})",
             ["worker", *TIERS, "correct", "total", "accuracy %", "Wilson 95% low %", "Wilson 95% high %"],
             rows,
             notes=["Per tier: correct/total over (question, round) pairs; the untrained model: one round."],
@@ -119,6 +129,98 @@ def speedrun_tables(report: dict[str, Any]) -> list[Table]:
         )
     )
     return tables
+
+
+def run_name(report: dict[str, Any]) -> str:
+    """speedrun-w{world seed}-t{training seed}-{split}: one run's files in bench/results."""
+    world, train, split = (
+        report.get("world_seed", 0),
+        report.get("train_seed", 0),
+        report.get("split", "test"),
+    )
+    return f"speedrun-w{world}-t{train}-{split}"
+
+
+def checks(report: dict[str, Any]) -> dict[str, Any]:
+    """The two things every speedrun must show, each with its numbers and whether it held.
+
+    easy: the SFT model's easy-tier Wilson 95% interval lies wholly above the untrained model's;
+    rl: SFT + RL above SFT on paired (question, round) pairs, exact McNemar p < 0.05.
+    """
+    stages = {s["name"]: s for s in report["stages"]}
+
+    def easy(name: str) -> tuple[int, int, tuple[float, float]]:
+        t = stages[name]["tiers"]["easy"]
+        return t["correct"], t["total"], wilson_interval(t["correct"], t["total"])
+
+    (uc, ut, (_, u_hi)), (sc, st, (s_lo, _)) = easy("Untrained tiny"), easy("SFT")
+    rl = next(p for p in report["paired"] if (p["this"], p["baseline"]) == ("SFT + RL", "SFT"))
+    return {
+        "easy": {"held": s_lo > u_hi, "text": f"SFT easy {sc}/{st} (low {100 * s_lo:.1f}%) vs untrained "
+                 f"{uc}/{ut} (high {100 * u_hi:.1f}%)"},
+        "rl": {"held": rl["delta_pp"] > 0 and rl["mcnemar_p"] < 0.05,
+               "text": f"{rl['delta_pp']:+.2f} pp, {rl['improved']} improved / {rl['regressed']} regressed, "
+               f"p = {rl['mcnemar_p']:.3g}"},
+    }  # fmt: skip
+
+
+def summary_tables(reports: list[dict[str, Any]]) -> list[Table]:
+    """speedrun-summary.md: per run its numbers and checks; per world and split, mean and spread."""
+    runs = sorted(
+        reports, key=lambda r: (r.get("split", "test"), r.get("world_seed", 0), r.get("train_seed", 0))
+    )
+    per_run = []
+    for r in runs:
+        acc = {
+            s["name"]: 100 * s["correct"] / s["total"] if s["total"] else float("nan") for s in r["stages"]
+        }
+        c = checks(r)
+        per_run.append([
+            r.get("split", "test"), r.get("world_seed", 0), r.get("train_seed", 0),
+            str(r.get("commit", "?"))[:10],
+            "clean" if not r.get("uncommitted_changes") else "DIRTY", *(acc[n] for n in STAGES),
+            ("held: " if c["easy"]["held"] else "MISSED: ") + c["easy"]["text"],
+            ("held: " if c["rl"]["held"] else "MISSED: ") + c["rl"]["text"],
+        ])  # fmt: skip
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r.get("split", "test"), r.get("world_seed", 0)), []).append(r)
+    spread = []
+    for (split, world), members in groups.items():
+        for name in STAGES:
+            accs = [
+                100 * s["correct"] / s["total"] for r in members for s in r["stages"] if s["name"] == name
+            ]
+            sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
+            spread.append(
+                [split, world, len(members), name, statistics.fmean(accs), sd, min(accs), max(accs)]
+            )
+    return [
+        Table(
+            "Every run: accuracy per stage and the two checks",
+            ["split", "world seed", "training seed", "commit", "tree", *(f"{n} %" for n in STAGES),
+             "SFT easy above untrained (Wilson 95%)", "SFT + RL above SFT (paired, McNemar p < 0.05)"],
+            per_run,
+            notes=["Accuracy over (question, round) pairs of all three tiers; untrained: one round."],
+        ),
+        Table(
+            "Per world: each stage's mean and spread over its runs",
+            ["split", "world seed", "runs", "stage", "mean %", "sd pp", "min %", "max %"],
+            spread,
+            notes=["sd: sample standard deviation over the runs (training seeds) of a world; — for one."],
+        ),
+    ]  # fmt: skip
+
+
+def write_summary(results_dir: Path) -> Path:
+    """Rewrite results_dir/speedrun-summary.md from every speedrun-w*-t*-*.json in it."""
+    reports = [json.loads(p.read_text()) for p in sorted(results_dir.glob("speedrun-w*-t*-*.json"))]
+    path = results_dir / "speedrun-summary.md"
+    text = (
+        render_results("speedrun-summary", summary_tables(reports)) if reports else "no speedrun runs yet\n"
+    )
+    path.write_text(text, encoding="utf-8")
+    return path
 
 
 def speedrun_extra(report: dict[str, Any]) -> dict[str, str]:
@@ -174,7 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--state", type=Path, default=Path(".bcstack-speedrun"), help="the speedrun's --state"
     )
+    parser.add_argument(
+        "--summary-only",
+        action="store_true",
+        help="rewrite speedrun-summary.md from the runs' JSON files already in --results-dir, run nothing",
+    )
     args, speedrun_args = parser.parse_known_args(argv)
+    if args.summary_only:
+        print(f"results: {write_summary(args.results_dir)}")
+        return 0
     require_clean_tree("speedrun", args.dirty_ok)  # before the ~45 minutes, not after them
     if not args.dirty_ok and dirties_checkout(args.state):
         parser.error(
@@ -194,19 +304,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = json.loads(report_path.read_text())
     out = args.results_dir
+    name = run_name(report)
     # write_results checks the checkout again: the report names the commit that ran.
     md = write_results(
         "speedrun",
         speedrun_tables(report),
         speedrun_extra(report),
-        out / "speedrun.md",
+        out / f"{name}.md",
         dirty_ok=args.dirty_ok,
     )
-    (out / "speedrun.json").write_text(json.dumps(stamped(report), indent=2) + "\n", encoding="utf-8")
-    written = [md, out / "speedrun.json"]
+    (out / f"{name}.json").write_text(json.dumps(stamped(report), indent=2) + "\n", encoding="utf-8")
+    written = [md, out / f"{name}.json"]
     png = args.state.resolve() / "speedrun.png"
     if png.is_file():
-        written.append(Path(shutil.copyfile(png, out / "speedrun.png")))
+        written.append(Path(shutil.copyfile(png, out / f"{name}.png")))
+    written.append(write_summary(out))
     print("results: " + ", ".join(str(p) for p in written))
     return 0
 

@@ -532,27 +532,48 @@ def _contains(haystack: str, needle: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(needle)}(?!\w)", haystack) is not None
 
 
+def reported_answer(report: str) -> tuple[str, str]:
+    """What a worker report answers, and where that was read: ("field", its answer field) for a report
+    in the worker's format (`core.protocol.render_worker_report`; "" when it did not finish), else
+    ("text", the whole text) for a free-text report, which has no field to read."""
+    from core.protocol import REPORT_HEADER, parse_worker_reports
+
+    if REPORT_HEADER in report:
+        reports = parse_worker_reports(report)
+        last = reports[-1] if reports else None
+        return "field", last.answer if last is not None and last.status == "finish" else ""
+    return "text", report
+
+
 def rule_contribution(
     report: str, final_answer: str, gold_answer: str, grader_version: str
 ) -> ContributionVerdict:
     """The rule backend's contribution rating of a worker report.
 
-    decisive: the report contains the gold answer; marginal: it contains the (different) final answer
-    only; none otherwise, and always when the gold answer is empty. Texts are compared normalized.
+    It reads the report's answer field (`reported_answer`), not its task or explanation lines: an
+    explanation that mentions the gold answer among others ("not 1738 but 1739") is no finding of
+    it. decisive: the answer contains the gold answer; marginal: it contains the (different) final
+    answer only; none otherwise, and always when the gold answer is empty or the worker gave no
+    answer. Texts are compared normalized. A free-text report (not in the worker's format) is read
+    whole, as an LLM grader would read it.
     """
+    where, answer = reported_answer(report)
     gold, final, text = (
         normalize_answer(gold_answer),
         normalize_answer(final_answer),
-        normalize_answer(report),
+        normalize_answer(answer),
     )
+    what = "the report's answer field" if where == "field" else "the report"
     if not gold:
         label, reasoning = "none", "no gold answer to look for"
+    elif where == "field" and not text:
+        label, reasoning = "none", "the worker gave no answer"
     elif _contains(text, gold):
-        label, reasoning = "decisive", "the report contains the gold answer"
+        label, reasoning = "decisive", f"{what} contains the gold answer"
     elif final and final != gold and _contains(text, final):
-        label, reasoning = "marginal", "the report contains the final answer, which is not the gold answer"
+        label, reasoning = "marginal", f"{what} contains the final answer, which is not the gold answer"
     else:
-        label, reasoning = "none", "the report contains neither the gold answer nor the final answer"
+        label, reasoning = "none", f"{what} contains neither the gold answer nor the final answer"
     return ContributionVerdict(
         score=CONTRIBUTION_SCALE[label],
         label=label,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +73,7 @@ def test_the_speedrun_report_holds_the_three_rows_the_comparisons_and_the_commit
     text = _bench("speedrun").render_speedrun(copy.deepcopy(REPORT))
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     assert any(line.startswith(f"- commit: {head.stdout.strip()}") for line in text.splitlines())
-    rows = _table(text, "Held-out test questions per stage")
+    rows = _table(text, "Held-out test questions per stage (world seed 0, training seed 0)")
     assert [r[:6] for r in rows] == [
         ["Untrained tiny", "0/50", "0/50", "0/50", "0", "150"],
         ["SFT", "92/150", "0/150", "0/150", "92", "450"],
@@ -129,3 +131,57 @@ def test_a_state_folder_that_would_dirty_the_checkout_is_refused(tmp_path):
     assert not speedrun.dirties_checkout(ROOT / ".bcstack-speedrun")  # the default, git-ignored
     assert not speedrun.dirties_checkout(tmp_path / "state")  # outside the checkout
     assert speedrun.dirties_checkout(ROOT / "speedrun-state-not-ignored")
+
+
+def _run(world: int, seed: int, rl_improved: int, commit: str = "c" * 40) -> dict:
+    report = copy.deepcopy(REPORT)
+    report.update(split="test", world_seed=world, train_seed=seed, commit=commit, uncommitted_changes=[])
+    rl = report["paired"][1]
+    rl.update(improved=rl_improved, regressed=6, delta_pp=100 * (rl_improved - 6) / 450)
+    rl["mcnemar_p"] = 0.00372 if rl_improved == 22 else 0.5
+    report["stages"][2]["correct"] = 92 + rl_improved - 6
+    return report
+
+
+def test_the_summary_gives_each_worlds_spread_and_prints_a_missed_check_as_missed(tmp_path):
+    speedrun = _bench("speedrun")
+    assert speedrun.run_name(_run(1, 2, 22)) == "speedrun-w1-t2-test"
+    for world, seed, improved in ((1, 0, 22), (1, 1, 22), (1, 2, 8), (2, 0, 22)):
+        report = _run(world, seed, improved)
+        (tmp_path / f"{speedrun.run_name(report)}.json").write_text(json.dumps(report))
+    text = speedrun.write_summary(tmp_path).read_text()
+    runs = _table(text, "Every run: accuracy per stage and the two checks")
+    assert [(r[0], r[1], r[2]) for r in runs] == [("test", "1", "0"), ("test", "1", "1"), ("test", "1", "2"),
+                                                  ("test", "2", "0")]  # fmt: skip
+    # Untrained easy 0/50 (Wilson high 7.1%) vs SFT easy 92/150 (low 53.4%): held in every run.
+    assert all(r[-2].startswith("held: SFT easy 92/150") for r in runs)
+    assert [r[-1].split(":")[0] for r in runs] == ["held", "held", "MISSED", "held"]
+    spread = {(r[1], r[3]): r for r in _table(text, "Per world: each stage's mean and spread over its runs")}
+    rl = spread[("1", "SFT + RL")]
+    accs = [100 * (92 + i - 6) / 450 for i in (22, 22, 8)]
+    assert int(rl[2]) == 3 and float(rl[4]) == pytest.approx(statistics.fmean(accs), abs=0.01)
+    assert float(rl[5]) == pytest.approx(statistics.stdev(accs), abs=0.01)
+    assert spread[("2", "SFT")][5] == "—"  # one run: no spread to give
+
+
+def test_the_rl_variants_read_dev_and_test_only_with_final(tmp_path):
+    import argparse
+
+    from devkit.toyworld.generator import generate_world, write_world
+
+    variants = _bench("rl_variants")
+    write_world(generate_world(600, 0, questions_per_tier=2, dev_per_tier=2, train_medium=0, train_hard=0),
+                tmp_path / "w")  # fmt: skip
+    rows = {name: [json.loads(x) for x in (tmp_path / "w" / name).read_text().splitlines()]
+            for name in ("dev.jsonl", "questions.jsonl")}  # fmt: skip
+
+    def ids(final: bool) -> set[str]:
+        args = argparse.Namespace(split="test" if final else "dev", tiers={"easy", "medium", "hard"})
+        return {q.query_id for q in variants.held_out(tmp_path / "w", args)}
+
+    assert ids(final=False) == {r["query_id"] for r in rows["dev.jsonl"]}
+    assert ids(final=True) == {r["query_id"] for r in rows["questions.jsonl"]}
+    assert not ids(final=False) & ids(final=True)
+    help_text = subprocess.run([sys.executable, str(ROOT / "bench" / "rl_variants.py"), "--help"],
+                               capture_output=True, text=True).stdout  # fmt: skip
+    assert "--final" in help_text and "default: dev" in help_text

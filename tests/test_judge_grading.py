@@ -467,6 +467,37 @@ def test_rule_contribution_labels(report: str, final: str, gold: str, label: str
     assert verdict.reasoning and not verdict.parse_error
 
 
+def _report(
+    answer: str, explanation: str, task: str = "find the founding year", status: str = "finish"
+) -> str:
+    from core.protocol import WorkerReportText, render_worker_report
+
+    return render_worker_report(WorkerReportText(task, status, answer, explanation, "80%"))
+
+
+@pytest.mark.parametrize(
+    ("report", "final", "gold", "label"),
+    [
+        (_report("1738", "Founded in 1738 [doc-3]."), "1738", "1738", "decisive"),
+        # The gold answer in the explanation (or the task) is not the worker's answer.
+        (_report("1739", "Some pages say 1738, but [doc-3] says 1739."), "1739", "1738", "marginal"),
+        (_report("1739", "Not 1738: [doc-3] says 1739."), "1740", "1738", "none"),
+        (
+            _report("Quillan", "the year 1738 is the founding", task="who founded it in 1738?"),
+            "x",
+            "1738",
+            "none",
+        ),
+        # A worker that ran out of budget gave no answer, whatever its task says.
+        (_report("", "", task="check that it was 1738", status="budget"), "1738", "1738", "none"),
+    ],
+)
+def test_rule_contribution_reads_the_answer_field(report: str, final: str, gold: str, label: str) -> None:
+    verdict = rule_contribution(report, final, gold, "rule-v1")
+    assert verdict.label == label, verdict.reasoning
+    assert "answer field" in verdict.reasoning or "no answer" in verdict.reasoning
+
+
 # --------------------------------------------------------------------------- the toy world
 
 

@@ -50,6 +50,18 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
 
     report = json.loads((state / "report.json").read_text())
     assert [s["name"] for s in report["stages"]] == ["Untrained tiny", "SFT", "SFT + RL"]
+    # Without --final every evaluation reads the dev split, never a test question.
+    assert (report["split"], report["world_seed"], report["train_seed"]) == ("dev", 0, 0)
+    assert "evaluating on the dev split (dev.jsonl); --final evaluates on test" in out
+
+    def ids(path):
+        return {json.loads(line)["query_id"] for line in path.read_text().splitlines()}
+
+    dev_ids, test_ids = ids(state / "world" / "dev.jsonl"), ids(state / "world" / "questions.jsonl")
+    for stage in ("untrained", "sft", "rl"):
+        judged = ids(state / f"eval-dev-{stage}" / "judgements.jsonl")
+        assert judged == dev_ids and not judged & test_ids
+    assert not list(state.glob("eval-test-*"))
     # --eval-rounds 2: the SFT and RL models answer each question twice, the untrained one once.
     assert [s["total"] for s in report["stages"]] == [3, 6, 6]
     for stage in report["stages"]:

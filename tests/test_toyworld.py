@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from toy_env import ToyRetrieval, run_worker_episode
 
+from bcstack.evaluation.loaders import tier_of
 from core import protocol as p
 from devkit.toyworld import grammar as g
 from devkit.toyworld.generator import TEST_SOURCES, ToyWorldError, generate_world, load_jsonl, write_world
@@ -278,3 +279,23 @@ def test_train_questions_never_read_a_test_page():
     # A world made only for training questions.
     only_train = generate_world(3000, 4, questions_per_tier=0, train_easy=300, train_medium=0, train_hard=0)
     assert only_train.test == [] and len(only_train.train) == 300
+
+
+def test_the_dev_split_reads_no_test_page_and_no_train_question_reads_a_dev_page(tmp_path):
+    kw = dict(questions_per_tier=20, train_easy=600, train_medium=200, train_hard=60)
+    world = generate_world(7000, 3, dev_per_tier=20, **kw)
+    assert world.manifest()["dev_tiers"] == {"easy": 20, "medium": 20, "hard": 20}
+    pages = {
+        split: {d["docid"] for q in getattr(world, split) for d in q["evidence_docs"]}
+        for split in ("test", "dev", "train")
+    }
+    assert not pages["test"] & pages["dev"] and not pages["train"] & (pages["test"] | pages["dev"])
+    assert {q["data_source"] for q in world.dev} == {"bc_dev_easy", "bc_dev_meduim", "bc_dev_hard"}
+    assert {tier_of(q["data_source"]) for q in world.dev} == {"easy", "medium", "hard"}
+    ids = [q["query_id"] for split in ("test", "dev", "train") for q in getattr(world, split)]
+    assert len(set(ids)) == len(ids)
+    # No dev split: the world this generator made before it had one, byte for byte.
+    assert generate_world(7000, 3, **kw).corpus == generate_world(7000, 3, dev_per_tier=0, **kw).corpus
+    written = write_world(world, tmp_path / "w")
+    assert "dev.jsonl" in written and len((tmp_path / "w" / "dev.jsonl").read_text().splitlines()) == 60
+    assert json.loads((tmp_path / "w" / "world.json").read_text())["dev_questions"] == 60

@@ -60,7 +60,7 @@ def test_grpo_empty_and_invalid():
 def test_one_worker_per_episode_is_half_episode_half_worker():
     # Rewards [1, 0]: mean .5, sample std sqrt(.25 + .25) = sqrt(.5)  ->  A_ep = ±.5 / (sqrt(.5) + eps)
     # Contributions [.2, .6]: mean .4, sample std sqrt(.04 + .04) = sqrt(.08) -> A_w = ∓.2 / (sqrt(.08) + eps)
-    # (both ≈ ±0.70711); advantage = .5·A_ep + .5·A_w = 0 for both; weights 1 (one worker each)
+    # (both ≈ ±0.70711); advantage = .5·A_ep + .5·A_w = 0 for the first; weights 1 (one worker each)
     a_ep = 0.5 / (math.sqrt(0.5) + EPS)
     a_w = 0.2 / (math.sqrt(0.08) + EPS)
     episodes = [EpisodeCredit(1.0, [0.2]), EpisodeCredit(0.0, [0.6])]
@@ -69,7 +69,9 @@ def test_one_worker_per_episode_is_half_episode_half_worker():
     assert isinstance(first, HierarchicalCredit) and first.weight == 1.0
     assert first.episode_advantage == pytest.approx(a_ep) and first.worker_advantage == pytest.approx(-a_w)
     assert first.advantage == pytest.approx(0.5 * a_ep - 0.5 * a_w)
-    assert credit[1][0].advantage == pytest.approx(-0.5 * a_ep + 0.5 * a_w)
+    # The second episode answered wrongly: its worker's better grade (+a_w) is clamped to 0.
+    assert credit[1][0].worker_advantage == 0.0
+    assert credit[1][0].advantage == pytest.approx(-0.5 * a_ep)
     assert first.advantage == pytest.approx(0.0, abs=1e-5)  # a_ep and a_w differ only through eps
     assert balanced_weights(episodes) == [[1.0], [1.0]]
 
@@ -173,7 +175,8 @@ def test_weights_are_configurable_and_std_optional():
     # w_episode = .2, w_worker = .8, no std: A_ep = r - mean = ±.5, A_w = c - mean = [-.2, .2]
     episodes = [EpisodeCredit(1.0, [0.2]), EpisodeCredit(0.0, [0.6])]
     adv = hierarchical_advantages(episodes, w_episode=0.2, w_worker=0.8, normalize_std=False)
-    assert adv == [[pytest.approx(0.2 * 0.5 - 0.8 * 0.2)], [pytest.approx(-0.2 * 0.5 + 0.8 * 0.2)]]
+    # (the wrong second episode's worker term, +.2, is clamped to 0)
+    assert adv == [[pytest.approx(0.2 * 0.5 - 0.8 * 0.2)], [pytest.approx(-0.2 * 0.5)]]
 
 
 def test_episode_without_workers_counts_in_the_baseline_only():
@@ -210,3 +213,29 @@ def test_scaling_negative_advantages_leaves_positive_and_zero_ones_and_the_weigh
     for bad in (-0.5, math.nan, math.inf):
         with pytest.raises(ValueError, match="negative-advantage scale"):
             scale_negative_advantages(credit, bad)
+
+
+def test_a_wrong_final_answer_never_earns_a_positive_advantage_from_its_workers_grade():
+    # Rewards [1, 1, 0, ...]: the third episode's worker found the gold answer (decisive, 1.0) but its
+    # coordinator answered wrongly. Unclamped, its advantage would be 0.5 · (−0.54) + 0.5 · 1.21 = +0.33.
+    rewards = [1, 1, 0, 0, 0, 0, 0, 0]
+    contributions = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    episodes = [EpisodeCredit(r, [c]) for r, c in zip(rewards, contributions, strict=True)]
+    credit = hierarchical_credit(episodes)
+    a_ep = grpo_advantages(rewards)
+    a_w = grpo_advantages(contributions)
+    assert 0.5 * a_ep[2] + 0.5 * a_w[2] == pytest.approx(0.334, abs=1e-3)  # what the clamp prevents
+    third = credit[2][0]
+    assert (
+        third.worker_advantage == 0.0
+        and third.advantage == pytest.approx(0.5 * a_ep[2])
+        and third.advantage < 0
+    )
+    # Every wrong episode's advantage is at most its episode term; the right ones keep their worker term.
+    for ep, (c,) in zip(episodes, credit, strict=True):
+        if ep.reward <= 0:
+            assert c.worker_advantage <= 0 and c.advantage <= 0.5 * c.episode_advantage + 1e-12
+    assert credit[0][0].worker_advantage == pytest.approx(a_w[0]) and a_w[0] > 0
+    # All wrong: no worker term is positive (a report below the mean still gets its negative one).
+    all_wrong = hierarchical_credit([EpisodeCredit(0, [c]) for c in (1.0, 0.5, 0.0)])
+    assert [c.advantage for (c,) in all_wrong][:2] == [0.0, 0.0] and all_wrong[2][0].advantage < 0

@@ -24,8 +24,16 @@ scores c_ej (the contribution judge's score, or None when it is missing)::
     A_episode[e]    = grpo(R_1..R_E)[e]
     A_worker[e, j]  = grpo({c_ej : c_ej is not None, over all episodes of the group})[e, j]
                       = 0.0 where c_ej is None
+                      = min(A_worker[e, j], 0) where R_e <= 0 (the final answer is wrong)
     advantage[e, j] = w_episode · A_episode[e] + w_worker · A_worker[e, j]     (0.5 / 0.5)
     weight[e, j]    = 1 / n_e
+
+A wrong final answer never earns a positive advantage from its workers' grades: in a group with
+rewards [1, 1, 0, 0, 0, 0, 0, 0] and contributions [1, 1, 1, 0, 0, 0, 0, 0] (the third episode's
+worker found the gold answer, its coordinator answered something else), the third episode would get
+0.5 · (−0.54) + 0.5 · 1.21 = +0.33 without the clamp: the policy would be pushed towards an episode
+that answered wrongly. With it, −0.27. The worker term still ranks the workers of wrong episodes
+among themselves downwards (a report graded below the group's mean gets its negative A_worker).
 
 A missing contribution score is left out of the worker statistics (mean and std are over the
 scores that exist) and its trajectory gets A_worker = 0, i.e. only the episode term. That is the
@@ -113,7 +121,12 @@ def _worker_advantages(episodes: Sequence[EpisodeCredit], *, normalize_std: bool
     if not all(math.isfinite(c) for c in present):
         raise ValueError("contribution scores must be finite; use None for a missing score")
     normalized = iter(grpo_advantages(present, normalize_std=normalize_std))
-    return [[0.0 if c is None else next(normalized) for c in ep.contributions] for ep in episodes]
+    out = [[0.0 if c is None else next(normalized) for c in ep.contributions] for ep in episodes]
+    # A wrong final answer earns nothing positive from its workers' grades (module docstring).
+    return [
+        [min(a, 0.0) for a in a_ws] if ep.reward <= 0 else a_ws
+        for ep, a_ws in zip(episodes, out, strict=True)
+    ]
 
 
 def hierarchical_credit(

@@ -40,7 +40,7 @@ ENCRYPTED_FIELDS = ("query", "answer", "evidence_docs", "gold_docs")
 # Parquet columns worth reading; `prompt`, `reward_model` and `negative_docs` are skipped.
 _PARQUET_COLUMNS = ("query_id", "query", "answer", "data_source", "evidence_docs", "gold_docs", "extra_info")
 # FoldAgent's data_source names; "meduim" is upstream's spelling in both splits.
-_TIER_RE = re.compile(r"^(?:bc_(?:test|train)_)?(easy|medium|meduim|hard)$")
+_TIER_RE = re.compile(r"^(?:bc_(?:test|dev|train)_)?(easy|medium|meduim|hard)$")
 _PASSWORD_HINT = "pass --password (the benchmark's canary string) or set it in the config file"
 
 

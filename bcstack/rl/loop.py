@@ -503,9 +503,12 @@ class RLRun:
                 "ppo_clip_fraction": stats["ppo_clip_fraction"],
                 "tis_clip_fraction": stats["tis_clip_fraction"],
                 "logp_rollout_abs_diff": stats["logp_rollout_abs_diff"],
-                # Mean −log p of the sampled tokens: an unbiased estimate of the rollout policy's
-                # per-token entropy (E[−log p(x)] = H), with no extra forward pass.
-                "entropy": -statistics.fmean(generated) if generated else 0.0,
+                # Mean −log p of the sampled tokens, p the engine's recorded log-prob (the full
+                # distribution at temperature 1). It is the policy's per-token entropy only when the
+                # rollouts sample from that same distribution (top-p 1.0, the default of train rl);
+                # under nucleus sampling it is the cross-entropy of the truncated distribution to the
+                # full one, hence its name. No extra forward pass.
+                "sampled_token_nll": -statistics.fmean(generated) if generated else 0.0,
                 "grad_norm": stats["grad_norm"],
                 "optimizer_steps": stats["optimizer_steps"],
                 "samples": stats["samples"],

@@ -32,7 +32,7 @@ SUMMARY_METRICS = (
     "kl",
     "policy_lag_max",
     "policy_lag_mean",
-    "entropy",
+    "sampled_token_nll",
     "grad_norm",
     "rollout_tokens_per_s",
     "rollout_tokens_per_second",

@@ -28,12 +28,19 @@ def generate(
         100, "--train-medium", min=0, help="Medium questions in the train split."
     ),
     train_hard: int = typer.Option(50, "--train-hard", min=0, help="Hard questions in the train split."),
+    dev_per_tier: int = typer.Option(
+        0,
+        "--dev-per-tier",
+        min=0,
+        help="Dev questions per tier (dev.jsonl): for every choice the test split must not make. 0: no dev "
+        "split, the world this generator made before it had one.",
+    ),
 ) -> None:
-    """Write corpus.jsonl, questions.jsonl (test split), train.jsonl, TREC qrels and world.json.
+    """Write corpus.jsonl, questions.jsonl (test split), dev.jsonl, train.jsonl, TREC qrels and world.json.
 
     Easy questions need one document, medium two hops, hard three hops through pages that have
     near-duplicate distractors. Every answer is unique and checked against the corpus. No train
-    question reads a document that a test question reads.
+    question reads a document that a test or dev question reads; no dev question reads a test one's.
     """
     import time
 
@@ -53,6 +60,7 @@ def generate(
                 train_easy=train_easy,
                 train_medium=train_medium,
                 train_hard=train_hard,
+                dev_per_tier=dev_per_tier,
             )
             write_world(world, out)
     except ToyWorldError as e:
@@ -61,7 +69,8 @@ def generate(
     tiers = ", ".join(f"{k} {v}" for k, v in m["test_tiers"].items())
     console.print(
         f"wrote {out}: {m['documents']:,} documents, {m['test_questions']} test questions ({tiers}), "
-        f"{m['train_questions']} train questions in {time.perf_counter() - start:.1f}s"
+        + (f"{m['dev_questions']} dev questions, " if m.get("dev_questions") else "")
+        + f"{m['train_questions']} train questions in {time.perf_counter() - start:.1f}s"
     )
 
 

@@ -15,7 +15,9 @@ evidence pages. The same seed gives byte-identical files (no set iteration, one 
 
 Formats: ``corpus.jsonl`` rows are ``{"docid", "text", "url"}`` with the title in a
 ``---\\ntitle: …\\n---`` front matter (BrowseComp-Plus); ``questions.jsonl`` (test split) and
-``train.jsonl`` rows carry the FoldAgent split fields ``query_id``, ``query``, ``answer``,
+``train.jsonl`` (and, when asked for, ``dev.jsonl``: a development split per tier, page-disjoint from
+test and train like test is, for every choice a test split must not make) rows carry the FoldAgent
+split fields ``query_id``, ``query``, ``answer``,
 ``data_source`` (``bc_test_easy|bc_test_meduim|bc_test_hard`` — upstream's spelling),
 ``evidence_docs`` and ``gold_docs`` (``{"docid", "text", "url"}`` each, as BrowseComp-Plus).
 Qrels in TREC format sit beside them.
@@ -38,6 +40,9 @@ TIERS = ("easy", "medium", "hard")
 # Upstream data_source names (FoldAgent splits), "meduim" misspelt as upstream has it.
 TEST_SOURCES = {"easy": "bc_test_easy", "medium": "bc_test_meduim", "hard": "bc_test_hard"}
 TRAIN_SOURCES = {"easy": "bc_train_easy", "medium": "bc_train_meduim", "hard": "bc_train_hard"}
+# The dev split (ours: FoldAgent has none), named like the others.
+DEV_SOURCES = {"easy": "bc_dev_easy", "medium": "bc_dev_meduim", "hard": "bc_dev_hard"}
+SOURCES = {"test": TEST_SOURCES, "dev": DEV_SOURCES, "train": TRAIN_SOURCES}
 
 # Shares of the entity pages; chronicle pages fill the rest of the requested document count.
 SHARE_CITIES = 0.04
@@ -105,7 +110,7 @@ class Question:
     chain: list[Entity]  # the evidence pages, in the order they are read
 
     def data_source(self) -> str:
-        return (TEST_SOURCES if self.split == "test" else TRAIN_SOURCES)[self.tier]
+        return SOURCES[self.split][self.tier]
 
 
 @dataclass
@@ -115,6 +120,7 @@ class World:
     test: list[dict]
     train: list[dict]
     docid_of: dict[str, str] = field(repr=False)  # title → docid
+    dev: list[dict] = field(default_factory=list)
 
     def manifest(self) -> dict:
         tiers = {t: sum(1 for q in self.test if q["data_source"] == TEST_SOURCES[t]) for t in TIERS}
@@ -128,6 +134,16 @@ class World:
             "test_tiers": tiers,
             "train_questions": len(self.train),
             "train_tiers": train_tiers,
+            **(
+                {
+                    "dev_questions": len(self.dev),
+                    "dev_tiers": {
+                        t: sum(1 for q in self.dev if q["data_source"] == DEV_SOURCES[t]) for t in TIERS
+                    },
+                }
+                if self.dev
+                else {}
+            ),
         }
 
 
@@ -154,11 +170,19 @@ class _Names:
 
 class _Builder:
     def __init__(
-        self, n_docs: int, seed: int, per_tier: int, train_medium: int, train_hard: int, train_easy: int = 0
+        self,
+        n_docs: int,
+        seed: int,
+        per_tier: int,
+        train_medium: int,
+        train_hard: int,
+        train_easy: int = 0,
+        dev_per_tier: int = 0,
     ) -> None:
-        n_questions = 3 * per_tier + train_easy + train_medium + train_hard
+        n_questions = 3 * (per_tier + dev_per_tier) + train_easy + train_medium + train_hard
         # Room for the near-duplicates of every hard chain (at most two per page, three pages).
-        reserve = (per_tier + train_hard) * 3 * max(NAMESAKES_PER_HARD_PERSON, NAMESAKES_PER_HARD_ARTIFACT)
+        hard = per_tier + dev_per_tier + train_hard
+        reserve = hard * 3 * max(NAMESAKES_PER_HARD_PERSON, NAMESAKES_PER_HARD_ARTIFACT)
         needed = max(MIN_DOCS, reserve + MIN_DOCS + 2 * n_questions)
         if n_docs < needed:
             raise ToyWorldError(
@@ -170,6 +194,7 @@ class _Builder:
         self.n_docs = n_docs
         self.seed = seed
         self.per_tier = per_tier
+        self.dev_per_tier = dev_per_tier
         self.train_easy = train_easy
         self.train_medium = train_medium
         self.train_hard = train_hard
@@ -261,16 +286,21 @@ class _Builder:
     def make_questions(self) -> list[Question]:
         r = self.rng
         pools = {"person": self.people, "artifact": self.artifacts, "institution": self.institutions}
+        # Test first, then dev, then train: with no dev split the RNG draws what it drew before the
+        # dev split existed, so older worlds stay byte-identical.
         wanted = [("test", t, self.per_tier) for t in TIERS]
+        wanted += [("dev", t, self.dev_per_tier) for t in TIERS]
         wanted += [
             ("train", "easy", self.train_easy),
             ("train", "medium", self.train_medium),
             ("train", "hard", self.train_hard),
         ]
         used_starts: set[int] = set()
-        # Every page a test question reads; a train question may read none of them, so held-out
-        # accuracy measures searching and copying, not facts remembered from training.
-        test_pages: set[int] = set()
+        # The pages each held-out split reads. A train question may read none of them, so held-out
+        # accuracy measures searching and copying, not facts remembered from training; a dev question
+        # reads no test page either, so choices made on dev learn nothing of the test questions.
+        held_pages: dict[str, set[int]] = {"test": set(), "dev": set()}
+        forbidden = {"test": (), "dev": ("test",), "train": ("test", "dev")}
         questions: list[Question] = []
         for split, tier, count in wanted:
             templates = [t for t in g.QUESTION_TEMPLATES if t.tier == tier]
@@ -294,10 +324,10 @@ class _Builder:
                 # Pages on a chain must be distinct documents (a person cannot be their own mentor's mentor).
                 if len({id(p) for p in pages}) != len(pages):
                     continue
-                if split == "train" and any(id(p) in test_pages for p in pages):
+                if any(id(p) in held_pages[other] for p in pages for other in forbidden[split]):
                     continue
-                if split == "test":
-                    test_pages.update(id(p) for p in pages)
+                if split in held_pages:
+                    held_pages[split].update(id(p) for p in pages)
                 used_starts.add(id(start))
                 made += 1
                 slots = {"institution": getattr(start, "name", ""), "artifact": getattr(start, "name", "")}
@@ -471,10 +501,14 @@ class _Builder:
         # Interleave entity and chronicle pages so file order says nothing about a page's role.
         self.rng.shuffle(corpus)
         by_docid = {d["docid"]: d for d in corpus}
-        test, train = [], []
+        splits: dict[str, list[dict]] = {"test": [], "dev": [], "train": []}
+        # Numeric ids as BrowseComp-Plus has them: test 1.., dev after test, train from 1001 (or past dev).
+        n_test = sum(q.split == "test" for q in questions)
+        n_held = n_test + sum(q.split == "dev" for q in questions)
+        first = {"test": 1, "dev": n_test + 1, "train": max(1000, n_held) + 1}
         for q in questions:
-            target = test if q.split == "test" else train
-            qid = str(len(test) + 1) if q.split == "test" else str(1000 + len(train) + 1)
+            target = splits[q.split]
+            qid = str(first[q.split] + len(target))
             evidence = [by_docid[docid_of[_title(p)]] for p in q.chain]
             target.append(
                 {
@@ -487,7 +521,7 @@ class _Builder:
                     "template": q.template,
                 }
             )
-        return World(self.seed, corpus, test, train, docid_of)
+        return World(self.seed, corpus, splits["test"], splits["train"], docid_of, splits["dev"])
 
 
 def _title(e: Entity) -> str:
@@ -502,12 +536,16 @@ def generate_world(
     train_medium: int = 100,
     train_hard: int = 50,
     train_easy: int = 0,
+    dev_per_tier: int = 0,
 ) -> World:
     """Build the whole world in memory. Deterministic in its arguments.
 
-    No train question reads a page (evidence document) that a test question reads.
+    No train question reads a page (evidence document) that a test or dev question reads, and no dev
+    question reads a test question's page. `dev_per_tier` 0 (no dev split) gives the world this
+    generator gave before it had one, byte for byte.
     """
-    return _Builder(n_docs, seed, questions_per_tier, train_medium, train_hard, train_easy).build()
+    builder = _Builder(n_docs, seed, questions_per_tier, train_medium, train_hard, train_easy, dev_per_tier)
+    return builder.build()
 
 
 # --- files ---------------------------------------------------------------------------------------
@@ -542,8 +580,10 @@ def write_world(world: World, out: Path) -> dict[str, str]:
         "questions.jsonl": _dump_jsonl(world.test, tmp / "questions.jsonl"),
         "train.jsonl": _dump_jsonl(world.train, tmp / "train.jsonl"),
     }
+    if world.dev:
+        digests["dev.jsonl"] = _dump_jsonl(world.dev, tmp / "dev.jsonl")
     for name, key in (("qrel_evidence.txt", "evidence_docs"), ("qrel_golds.txt", "gold_docs")):
-        text = _qrels(world.test + world.train, key)
+        text = _qrels(world.test + world.dev + world.train, key)
         (tmp / name).write_text(text, encoding="utf-8")
         digests[name] = hashlib.sha256(text.encode()).hexdigest()
     manifest = {**world.manifest(), "files": digests}
