@@ -149,17 +149,17 @@ def write_results(
     extra: dict[str, str] | None = None,
     path: Path | None = None,
     *,
-    dirty_ok: bool | None = None,
+    dirty_ok: bool,
 ) -> Path:
     """Write ``render_results`` to ``path`` (default bench/results/<bench>.md), the file the README's
     tables for this benchmark are taken from; returns the path written.
 
-    A bench that passes ``dirty_ok`` (its ``--dirty-ok`` flag) refuses, with `DirtyTree`, to write
-    from a checkout with uncommitted changes unless it is true: a committed report then names the
-    commit that made it. With it, the report says DIRTY and lists the changes. (None: the older
-    benches' behaviour, which writes either way and says so.)"""
-    if dirty_ok is not None:
-        require_clean_tree(bench, dirty_ok)
+    ``dirty_ok`` is the bench's ``--dirty-ok`` flag, a required keyword so that no bench forgets it:
+    from a checkout with uncommitted changes the file is refused (`DirtyTree`, exit 2, one line on
+    stderr) unless it is true, so that a committed report names the commit that made it; with it,
+    the report says DIRTY and lists the changes. A bench also calls `require_clean_tree` before its
+    run, so that a long run does not end in a refusal."""
+    require_clean_tree(bench, dirty_ok)
     path = path or RESULTS_DIR / f"{bench}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_results(bench, tables, extra), encoding="utf-8")

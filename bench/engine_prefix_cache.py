@@ -2,7 +2,7 @@
 
     python bench/engine_prefix_cache.py [--scenarios 16:4:300:48,8:8:1000:48] [--system-tokens 256]
                                         [--question-tokens 64] [--repeats 3]
-                                        [--work DIR] [--json FILE] [--results FILE]
+                                        [--work DIR] [--json FILE] [--results FILE] [--dirty-ok]
 
 Two engine processes (`bcstack serve engine`) serve the same tiny Qwen3 (`devkit.modelkit`, built
 into --work once) on this machine: one with `--prefix-cache-tokens 0` (off), one with the default
@@ -25,7 +25,8 @@ the cache must not change: each turn's output tokens equal to the first off run'
 sampling, so the same logits give the same draws) and the largest log-prob difference.
 
 The tables, with the command, commit, machine and date, go to bench/results/engine_prefix_cache.md
-(--results)."""
+(--results); refused from a checkout with uncommitted changes unless --dirty-ok (the report then
+says DIRTY)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ from common import (  # noqa: E402
     print_machine,
     process,
     render_results,
+    require_clean_tree,
     write_results,
 )
 
@@ -299,8 +301,10 @@ def main() -> None:
     parser.add_argument(
         "--results", type=Path, default=RESULTS_DIR / "engine_prefix_cache.md", help="results file"
     )
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
     scenarios = [Scenario.parse(x) for x in args.scenarios.split(",") if x.strip()]
+    require_clean_tree("engine_prefix_cache", args.dirty_ok)  # before the run, not after it
     args.work.mkdir(parents=True, exist_ok=True)
 
     print("engine prefix cache benchmark")
@@ -381,7 +385,8 @@ def main() -> None:
             for scenario, runs, check in results
         ]
         args.json.write_text(json.dumps({"machine": machine(), "results": raw}, indent=2))
-    print(f"results: {write_results('engine_prefix_cache', out, extra, path=args.results)}")
+    path = write_results("engine_prefix_cache", out, extra, path=args.results, dirty_ok=args.dirty_ok)
+    print(f"results: {path}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 for gateway variants side by side in one run.
 
     python bench/gateway.py [--concurrency 1,64,512] [--duration 20] [--variants httpx,aiohttp]
-                            [--work DIR] [--json FILE] [--results FILE]
+                            [--work DIR] [--json FILE] [--results FILE] [--dirty-ok]
 
 Behind the gateway (`bcstack serve coordinator`) stand an instant coordinator and instant
 workers: the scripted coordinator LLM (`bcstack serve coordinator-llm`, no model: it branches
@@ -26,7 +26,8 @@ All processes share this machine's cores.
 
 Target (issues 5 and 13): gateway CPU <= 5 ms per coordinator turn and no errors at 512 concurrent
 episodes. The tables, with the command, commit, machine and date, go to bench/results/gateway.md
-(--results), the file the README's numbers come from.
+(--results), the file the README's numbers come from; refused from a checkout with uncommitted
+changes unless --dirty-ok (the report then says DIRTY).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from common import (  # noqa: E402
     print_machine,
     process,
     render_results,
+    require_clean_tree,
     write_results,
 )
 
@@ -311,12 +313,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bcstack-bench-gateway")
     parser.add_argument("--json", type=Path, help="also write the raw numbers here")
     parser.add_argument("--results", type=Path, default=RESULTS_DIR / "gateway.md", help="results file")
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    require_clean_tree("gateway", args.dirty_ok)  # before the run, not after it
     args.work.mkdir(parents=True, exist_ok=True)
 
     print("gateway benchmark")
@@ -363,7 +367,7 @@ def main() -> None:
     print(render_results("gateway", out))
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "results": results}, indent=2))
-    print(f"results: {write_results('gateway', out, path=args.results)}")
+    print(f"results: {write_results('gateway', out, path=args.results, dirty_ok=args.dirty_ok)}")
 
 
 def start_gateway(

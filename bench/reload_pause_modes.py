@@ -1,7 +1,7 @@
 """Benchmark: a hot reload with requests in flight on the CPU engine, pausing `in_place` vs `retract`.
 
     python bench/reload_pause_modes.py [--requests 8] [--tokens 400] [--repeats 3] [--work DIR]
-                                       [--results FILE]
+                                       [--results FILE] [--dirty-ok]
 
 Two tiny Qwen3 kits (`devkit.modelkit`, seeds 0 and 1, built into --work once) and one CPU engine
 in this process. Per run: REQUESTS greedy requests of TOKENS tokens (`ignore_eos`, distinct
@@ -14,7 +14,9 @@ A last row tries what SGLang 0.5.19 refuses: `retract` and the update's own flus
 (`flush_cache` true) with requests waiting: the engine goes down as SGLang's scheduler does.
 
 This is the measurement behind the choice in services/worker/reload.py (in_place, flush_cache
-false). Tables go to bench/results/reload_pause_modes.md (--results)."""
+false). Tables go to bench/results/reload_pause_modes.md (--results), with the command, commit,
+machine and date; refused from a checkout with uncommitted changes unless --dirty-ok (the report
+then says DIRTY)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import Table, print_machine, write_results  # noqa: E402
+from common import Table, print_machine, require_clean_tree, write_results  # noqa: E402
 
 
 def _kits(work: Path) -> tuple[Path, Path]:
@@ -152,7 +154,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bcstack-bench-reload")
     parser.add_argument("--results", type=Path, default=None)
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
+    require_clean_tree("reload_pause_modes", args.dirty_ok)  # before the run, not after it
     print_machine()
     a, b = _kits(args.work)
     tables = asyncio.run(_bench(args, a, b))
@@ -160,7 +164,7 @@ def main() -> None:
         print(table.title)
         for row in table.rows:
             print("  ", dict(zip(table.columns, row, strict=True)))
-    print("wrote", write_results("reload_pause_modes", tables, path=args.results))
+    print("wrote", write_results("reload_pause_modes", tables, path=args.results, dirty_ok=args.dirty_ok))
 
 
 if __name__ == "__main__":

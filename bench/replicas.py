@@ -1,7 +1,7 @@
 """Benchmark: one evaluation round through the local stack with 1 worker replica against N.
 
     python bench/replicas.py [--replicas 1,2] [--repeats 2] [--questions 150] [--model DIR]
-                             [--work DIR] [--results FILE]
+                             [--work DIR] [--results FILE] [--dirty-ok]
 
 The CPU engine decodes on one thread (its default below 100M parameters), so on a machine with
 several cores one engine leaves the others idle while episodes run. `bcstack up --replicas N`
@@ -18,7 +18,8 @@ its runs differ in length; then compare with several repeats).
 
 Per run: wall seconds, episodes/s, generated tokens/s (from the engines' /metrics), and the
 speed-up of each variant's median over one replica's. Results, with the command, commit and
-machine, go to bench/results/replicas.md (--results).
+machine, go to bench/results/replicas.md (--results); refused from a checkout with uncommitted changes
+unless --dirty-ok (the report then says DIRTY).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import Table, print_machine, render_results, write_results  # noqa: E402
+from common import Table, print_machine, render_results, require_clean_tree, write_results  # noqa: E402
 
 from bcstack.evaluation.loaders import load_questions  # noqa: E402
 from bcstack.speedrun import OBSERVATION_SETTINGS  # noqa: E402
@@ -98,10 +99,12 @@ def main() -> int:
     )
     parser.add_argument("--work", type=Path, default=None, help="where the world, kit and index are built")
     parser.add_argument("--results", type=Path, default=None, help="results file (bench/results/replicas.md)")
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
     counts = [int(c) for c in args.replicas.split(",") if c.strip()]
     if not counts or min(counts) < 1 or args.repeats < 1:
         parser.error("--replicas takes counts >= 1 and --repeats must be at least 1")
+    require_clean_tree("replicas", args.dirty_ok)  # before the run, not after it
     print("machine:")
     print_machine()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-replicas-"))
@@ -150,7 +153,7 @@ def main() -> int:
     )
     extra = {"cores usable": str(len(os.sched_getaffinity(0)))}
     print(render_results("replicas", [table], extra))
-    print(f"results: {write_results('replicas', [table], extra, path=args.results)}")
+    print(f"results: {write_results('replicas', [table], extra, path=args.results, dirty_ok=args.dirty_ok)}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Benchmark: the retrieval service against its own search core, side by side.
 
     python bench/retrieval.py [--docs 100000] [--duration 20] [--concurrency 1,8,32] [--work DIR]
-                              [--json FILE] [--results FILE]
+                              [--json FILE] [--results FILE] [--dirty-ok]
 
 1. Generate a toy corpus (default 100,000 documents) and index it with `bcstack index`
    (embedded backends: bm25s + Qdrant Edge, all-MiniLM-L6-v2): wall time and peak memory.
@@ -17,7 +17,8 @@ Targets (issue 3): the service reaches >= 70% of the in-process throughput at co
 and p99 <= 50 ms at half of its peak QPS. Queries are the toy world's 300 test and train
 questions, cycled. Everything runs on this machine: the load generator shares its cores with
 the service, as a client on the same node would. The tables, with the command, commit, machine and
-date, go to bench/results/retrieval.md (--results), the file the README's numbers come from.
+date, go to bench/results/retrieval.md (--results), the file the README's numbers come from;
+refused from a checkout with uncommitted changes unless --dirty-ok (the report then says DIRTY).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-from common import RESULTS_DIR, Table, machine, print_machine, write_results  # noqa: E402
+from common import RESULTS_DIR, Table, machine, print_machine, require_clean_tree, write_results  # noqa: E402
 
 STAGES = ("embed", "lexical", "dense", "fuse", "fetch", "total")
 
@@ -252,8 +253,10 @@ def main() -> None:
     parser.add_argument(
         "--results", type=Path, default=RESULTS_DIR / "retrieval.md", help="the Markdown tables"
     )
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    require_clean_tree("retrieval", args.dirty_ok)  # before the run, not after it
     args.work.mkdir(parents=True, exist_ok=True)
 
     print("retrieval benchmark")
@@ -353,7 +356,7 @@ def main() -> None:
             )
         )
     tables = retrieval_tables(args, built, results, half)
-    print(f"results: {write_results('retrieval', tables, path=args.results)}")
+    print(f"results: {write_results('retrieval', tables, path=args.results, dirty_ok=args.dirty_ok)}")
 
 
 def retrieval_tables(args: argparse.Namespace, built: dict, results: dict, half: dict) -> list[Table]:

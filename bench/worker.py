@@ -1,7 +1,7 @@
 """Benchmark: worker episodes per second and the worker's own overhead per turn.
 
     python bench/worker.py [--concurrency 1,32,256] [--duration 30] [--docs 2000] [--work DIR]
-                           [--json FILE] [--results FILE]
+                           [--json FILE] [--results FILE] [--dirty-ok]
 
 The scripted expert engine (`bcstack serve engine --policy expert`, near-zero model time) and the
 embedded retrieval service (`bcstack serve retrieval` over a toy world) stand behind one worker
@@ -15,7 +15,8 @@ p50 and p99. All processes share this machine's cores.
 Target (issue 4): overhead <= 5 ms per turn at 256 concurrent episodes, no errors.
 
 The table, with the command, commit, machine and date, goes to bench/results/worker.md (--results),
-the file the README's numbers come from.
+the file the README's numbers come from; refused from a checkout with uncommitted changes unless
+--dirty-ok (the report then says DIRTY).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from common import (  # noqa: E402
     machine,
     print_machine,
     process,
+    require_clean_tree,
     summary,
     write_results,
 )
@@ -95,8 +97,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bcstack-bench-worker")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR / "worker.md", help="the Markdown table")
+    parser.add_argument("--dirty-ok", action="store_true", help="write the report from uncommitted changes")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    require_clean_tree("worker", args.dirty_ok)  # before the run, not after it
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     print("worker benchmark (scripted expert engine, embedded retrieval)")
@@ -196,7 +200,7 @@ def main() -> None:
             f"{'met' if ok else 'NOT met'}."
         ],
     )
-    print(f"results: {write_results('worker', [table], path=args.results)}")
+    print(f"results: {write_results('worker', [table], path=args.results, dirty_ok=args.dirty_ok)}")
 
 
 if __name__ == "__main__":

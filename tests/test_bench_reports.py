@@ -1,12 +1,15 @@
 """The committed benchmark reports: bench/speedrun.py files a speedrun's report.json with its three
 rows, its paired comparisons and the commit that made it; a bench refuses a dirty checkout in one
-line with exit status 2. On a hand-made report: the speedrun itself is tests/test_speedrun.py's."""
+line with exit status 2, and every bench that writes a results file takes --dirty-ok (issue 35).
+On a hand-made report: the speedrun itself is tests/test_speedrun.py's."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import importlib.util
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -185,3 +188,88 @@ def test_the_rl_variants_read_dev_and_test_only_with_final(tmp_path):
     help_text = subprocess.run([sys.executable, str(ROOT / "bench" / "rl_variants.py"), "--help"],
                                capture_output=True, text=True).stdout  # fmt: skip
     assert "--final" in help_text and "default: dev" in help_text
+
+
+def test_write_results_refuses_a_dirty_checkout_unless_dirty_ok(monkeypatch, capsys, tmp_path):
+    _bench("speedrun")  # puts bench/ on sys.path, as every bench does
+    common = sys.modules["common"]
+    monkeypatch.setattr(common, "git_state", lambda: ("f" * 40, " M bench/common.py"))
+    table = common.Table("t", ["a"], [[1]])
+    refused = tmp_path / "refused.md"
+    with pytest.raises(SystemExit) as exit_:
+        common.write_results("worker", [table], path=refused, dirty_ok=False)
+    assert exit_.value.code == 2 and not refused.exists()
+    assert "bench/worker.py" in capsys.readouterr().err
+    written = common.write_results("worker", [table], path=tmp_path / "dirty.md", dirty_ok=True)
+    text = written.read_text()
+    assert f"- commit: {'f' * 40} (DIRTY" in text and "  - ` M bench/common.py`" in text
+    with pytest.raises(TypeError):  # no default: a bench cannot forget to pass its flag
+        common.write_results("worker", [table], path=tmp_path / "no-flag.md")
+
+
+def _writes_results(tree: ast.AST) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "write_results"
+    ]
+
+
+WRITERS = sorted(
+    p.stem
+    for p in (ROOT / "bench").glob("*.py")
+    if p.stem != "common" and _writes_results(ast.parse(p.read_text(encoding="utf-8")))
+)
+
+
+def _is_args_dirty_ok(node: ast.AST) -> bool:
+    return ast.unparse(node) == "args.dirty_ok"
+
+
+def test_every_bench_that_writes_results_checks_the_checkout_with_its_dirty_ok_flag():
+    assert {"worker", "gateway", "retrieval", "trainer", "speedrun"} <= set(WRITERS)
+    for name in WRITERS:
+        tree = ast.parse((ROOT / "bench" / f"{name}.py").read_text(encoding="utf-8"))
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        flag = [
+            c
+            for c in calls
+            if c.args and isinstance(c.args[0], ast.Constant) and c.args[0].value == "--dirty-ok"
+            and any(k.arg == "action" and ast.unparse(k.value) == "'store_true'" for k in c.keywords)
+        ]  # fmt: skip
+        assert flag, f"bench/{name}.py: no --dirty-ok flag (action store_true)"
+        writes = _writes_results(tree)
+        for call in writes:
+            assert isinstance(call.args[0], ast.Constant) and call.args[0].value == name, name
+            kw = {k.arg: k.value for k in call.keywords}
+            assert "dirty_ok" in kw and _is_args_dirty_ok(kw["dirty_ok"]), (
+                f"bench/{name}.py:{call.lineno}: write_results without dirty_ok=args.dirty_ok"
+            )
+        checks = [
+            c
+            for c in calls
+            if isinstance(c.func, ast.Name) and c.func.id == "require_clean_tree"
+            and ast.unparse(c) == f"require_clean_tree('{name}', args.dirty_ok)"
+        ]  # fmt: skip
+        assert checks and min(c.lineno for c in checks) < min(w.lineno for w in writes), (
+            f"bench/{name}.py: no require_clean_tree({name!r}, args.dirty_ok) before the run"
+        )
+
+
+@pytest.mark.slow  # ~7 s: every such bench's --help in a subprocess (bench/trainer.py imports torch)
+def test_every_bench_that_writes_results_lists_dirty_ok_in_its_help():
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--help"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in WRITERS
+    }
+    for name, proc in runs.items():
+        out = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 0, f"bench/{name}.py --help: {out[-2000:]}"
+        options = out.split("\noptions:\n", 1)[-1]  # past the description, which may name the flag too
+        assert re.search(r"^\s+--dirty-ok\s", options, re.M), f"bench/{name}.py --help lists no --dirty-ok"
