@@ -256,6 +256,7 @@ def evaluate(
     budget: dict[str, int],
     concurrency: int,
     rounds: int = 1,
+    worker_gold: bool = False,
 ) -> None:
     run_with_progress(
         questions,
@@ -267,6 +268,7 @@ def evaluate(
         overrides={"max_branches": 1},
         budget=budget,
         label=label,
+        worker_gold=worker_gold,
     )
 
 
@@ -285,6 +287,7 @@ def summarise(state: Path, stages: list[tuple[str, Path, str | None]], seconds: 
                 "total": report.total,
                 "tiers": {t.tier: {"correct": t.correct, "total": t.total} for t in report.tiers},
                 "wilson_95": list(report.wilson_95),
+                "guard": report.guard_counts,
             }
         )
         if report.paired is not None:
@@ -303,6 +306,31 @@ def summarise(state: Path, stages: list[tuple[str, Path, str | None]], seconds: 
                 }
             )
     return out
+
+
+def gold_comparison(main: Path, other: Path, main_gold: bool) -> dict | None:
+    """The RL model with the gold answer sent to the workers' guard vs withheld, paired (None when the
+    other evaluation was not run: without --final)."""
+    from bcstack.evaluation.report import build_report
+
+    if not (other / "judgements.jsonl").is_file():
+        return None
+    gold, none = (main, other) if main_gold else (other, main)
+    report = build_report(gold, none)
+    p = report.paired
+    return {
+        "this": "SFT + RL, gold to the workers' guard",
+        "baseline": "SFT + RL, no gold to workers",
+        "correct": [report.correct, report.baseline.correct if report.baseline else None],
+        "total": report.total,
+        "guard": [report.guard_counts, report.baseline.guard_counts if report.baseline else {}],
+        "delta_pp": p["delta_pp"],
+        "delta_ci_pp": list(p["delta_ci_pp"]),
+        "mcnemar_p": p["mcnemar_p"],
+        "improved": p["improved"],
+        "regressed": p["regressed"],
+        "n": p["n"],
+    }
 
 
 def render_table(summary: dict) -> str:
@@ -326,6 +354,22 @@ def render_table(summary: dict) -> str:
         )
         if p.get("by_question"):
             lines.append(f"  {question_level_line(p['by_question'])}")
+    lines.append("")
+    gold = summary.get("worker_gold", False)
+    bounced = ", ".join(f"{s['name']} {s.get('guard', {}).get('bounced', 0)}" for s in summary["stages"])
+    lines.append(
+        "No-search guard: the gold answer was "
+        + ("sent to the workers (FoldAgent's rule); episodes bounced: " + bounced if gold else
+           "withheld from the workers (every search-free answer voided)")
+    )  # fmt: skip
+    c = summary.get("worker_gold_comparison")
+    if c:
+        lo, hi = c["delta_ci_pp"]
+        lines.append(
+            f"The gold bit, measured once: {c['this']} {c['correct'][0]}/{c['total']} vs {c['baseline']} "
+            f"{c['correct'][1]}/{c['total']}: {c['delta_pp']:+.2f} pp ({lo:+.2f} to {hi:+.2f}), "
+            f"exact McNemar p = {c['mcnemar_p']:.3g}; bounced with gold: {c['guard'][0].get('bounced', 0)}"
+        )
     return "\n".join(lines)
 
 
@@ -471,6 +515,15 @@ def main(argv: list[str] | None = None) -> int:
         help="0: synchronous (two cores run rollouts and updates in turn either way)")  # fmt: skip
     add("--concurrency", type=int, default=16, help="episodes in flight")
     add(
+        "--eval-worker-gold",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="send the gold answer to the workers' no-search guard in the evaluations (FoldAgent's rule: a "
+        "right answer given before any search is bounced once, telling the worker it is right); default "
+        "off: every search-free answer is voided. With --final the RL model is evaluated once more with the "
+        "other setting, and the report gives the difference",
+    )
+    add(
         "--eval-rounds",
         type=int,
         default=3,
@@ -586,10 +639,16 @@ def main(argv: list[str] | None = None) -> int:
         if not _evaluated(evals["untrained"], len(test_questions)):
             tl.stage("eval untrained", f"the untrained model on {len(test_questions)} held-out questions")
             info = _stack(state / "stack", str(kit), world, kit, index, settings, args.replicas)
-            evaluate("untrained", _urls(info), test_questions, evals["untrained"], budget, args.concurrency)
+            evaluate(
+            "untrained", _urls(info), test_questions, evals["untrained"], budget, args.concurrency,
+            worker_gold=args.eval_worker_gold,
+        )  # fmt: skip
         tl.stage("eval sft", f"the SFT model on {len(test_questions)} held-out questions")
         info = _serve(state / "stack", sft_model, "sft", world, kit, index, settings, args.replicas)
-        evaluate("sft", _urls(info), test_questions, evals["sft"], budget, args.concurrency, args.eval_rounds)
+        evaluate(
+            "sft", _urls(info), test_questions, evals["sft"], budget, args.concurrency, args.eval_rounds,
+            worker_gold=args.eval_worker_gold,
+        )  # fmt: skip
 
         tl.stage("rl", f"bcstack train rl from the SFT model for {args.rl_minutes:g} minutes")
         rl_out = state / "stack" / "train" / "rl"
@@ -631,7 +690,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         rl_version = rl_model.name if rl_model != sft_model else "sft"
         info = _serve(state / "stack", rl_model, rl_version, world, kit, index, settings, args.replicas)
-        evaluate("rl", _urls(info), test_questions, evals["rl"], budget, args.concurrency, args.eval_rounds)
+        evaluate(
+            "rl", _urls(info), test_questions, evals["rl"], budget, args.concurrency, args.eval_rounds,
+            worker_gold=args.eval_worker_gold,
+        )  # fmt: skip
+        other = state / f"eval-{split}-rl-{'no-gold' if args.eval_worker_gold else 'gold'}"
+        if args.final:
+            # The gold bit, measured once: the same model and questions with the other guard setting.
+            how = "withheld from" if args.eval_worker_gold else "sent to"
+            tl.stage("eval rl, other guard", f"the RL model again, the gold answer {how} the workers' guard")
+            evaluate(
+                "rl-other-guard", _urls(info), test_questions, other, budget, args.concurrency,
+                args.eval_rounds, worker_gold=not args.eval_worker_gold,
+            )  # fmt: skip
         down(state / "stack", say=lambda s: None)
 
         tl.stage("report", "tables, PNG, report.json")
@@ -643,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
             tl.seconds,
         )  # fmt: skip
         rl_metrics = read_metrics(rl_out)
+        summary["worker_gold"] = args.eval_worker_gold
+        summary["worker_gold_comparison"] = gold_comparison(evals["rl"], other, args.eval_worker_gold)
         summary["split"] = split
         summary["world_seed"] = args.world_seed
         summary["train_seed"] = args.train_seed

@@ -120,6 +120,18 @@ def speedrun_tables(report: dict[str, Any]) -> list[Table]:
                 ],
             )
         )  # fmt: skip
+    c = report.get("worker_gold_comparison")
+    if c:
+        tables.append(
+            Table(
+                "The gold bit: the RL model, the gold answer sent to the workers' guard vs withheld",
+                ["this", "baseline", "this correct", "baseline correct", "pairs", "improved", "regressed",
+                 "Δ pp", "95% CI low pp", "95% CI high pp", "exact McNemar p", "bounced (gold sent)"],
+                [[c["this"], c["baseline"], c["correct"][0], c["correct"][1], c["n"], c["improved"],
+                  c["regressed"], c["delta_pp"], c["delta_ci_pp"][0], c["delta_ci_pp"][1], c["mcnemar_p"],
+                  c["guard"][0].get("bounced", 0)]],
+            )
+        )  # fmt: skip
     seconds = report.get("seconds", {})
     tables.append(
         Table(
@@ -230,6 +242,11 @@ def speedrun_extra(report: dict[str, Any]) -> dict[str, str]:
         "RL updates": str(report.get("rl_updates")),
         "RL model": str(report.get("rl_model")),
         "RL error": str(report.get("rl_error") or "none"),
+        "gold answer to the workers' no-search guard in the table above": (
+            "sent (FoldAgent's rule)"
+            if report.get("worker_gold")
+            else "withheld (search-free answers voided)"
+        ),
         "worker budget": json.dumps(settings.get("budget", {})),
         "worker settings": json.dumps(settings.get("worker", {})),
         "speedrun options": json.dumps(settings.get("args", {})),

@@ -45,6 +45,12 @@ class RecordError(ValueError):
     """A record that breaks the schema or an invariant; the message is one line naming the fault."""
 
 
+# WorkerTrajectory.events the worker's no-search guard writes (services/worker/runner.py): an answer
+# given before any search voided, or bounced once because it matched the gold answer.
+EVENT_FINISH_WITHOUT_SEARCH = "finish_without_search"
+EVENT_FINISH_WITHOUT_SEARCH_BOUNCED = "finish_without_search_bounced"
+
+
 class _Model(BaseModel):
     # Unknown keys are errors: a misspelt field would otherwise vanish without a trace.
     model_config = ConfigDict(extra="forbid")
@@ -225,6 +231,18 @@ class WorkerRecord(_Model):
     trajectory: WorkerTrajectory | None = None
     contribution: float | None = None
 
+    def report_text(self) -> str:
+        """The report as the coordinator read it (its raw text), else rendered in the worker's report
+        format from its fields, so a grader reads its answer field (core.grading.reported_answer)."""
+        from core.protocol import WorkerReportText, render_worker_report
+
+        if self.report.raw_text:
+            return self.report.raw_text
+        r = self.report
+        return render_worker_report(
+            WorkerReportText(self.description, self.status, r.answer, r.explanation, r.confidence)
+        )
+
 
 class CoordinatorTurn(_Model):
     turn: int = 0
@@ -296,6 +314,10 @@ class EpisodeRecord(_Model):
     seconds: float = 0.0
     limits: EpisodeLimits = Field(default_factory=EpisodeLimits)
     worker_budget: dict[str, int] = Field(default_factory=dict)
+    # Sampling overrides every worker of the episode ran with ({}: the workers' own settings), and
+    # whether the gold answer reached their no-search guard.
+    worker_sampling: dict[str, float] = Field(default_factory=dict)
+    worker_gold: bool = True
     coordinator: CoordinatorLog = Field(default_factory=CoordinatorLog)
     workers: list[WorkerRecord] = Field(default_factory=list)
     weight_versions: list[str] = Field(default_factory=list)

@@ -46,6 +46,7 @@ def write_eval_dir(
             "correct": row.get("correct"),
             "confidence": row.get("confidence"),
             "status": row.get("status", "finish"),
+            **({"guard": row["guard"]} if "guard" in row else {}),
         }
         lines.append(json.dumps(judgement))
         run = {
@@ -173,6 +174,32 @@ def test_ungraded_failed_and_untiered_stay_in_the_denominator(tmp_path):
     md = render_markdown(report)
     assert "| this run | 1/2 | 0/1 | 0/1 | 2/6 (33.33%) |" in md
     assert "Without a known tier: 2 judgements" in md
+
+
+def test_the_report_counts_the_episodes_the_no_search_guard_bounced_or_voided(tmp_path):
+    from bcstack.evaluation.runner import guard_of
+    from core.records import EpisodeRecord, WorkerRecord, WorkerTrajectory
+
+    rows = [
+        {"query_id": "1", "tier": "easy", "correct": True, "guard": "bounced"},
+        {"query_id": "2", "tier": "easy", "correct": True, "guard": "bounced"},
+        {"query_id": "3", "tier": "easy", "correct": False, "guard": "voided"},
+        {"query_id": "4", "tier": "easy", "correct": True, "guard": None},
+    ]
+    report = build_report(write_eval_dir(tmp_path / "run", rows))
+    assert report.guard_counts == {"bounced": 2, "voided": 1}
+    assert "- No-search guard: 2 episode(s) had a search-free answer bounced" in render_markdown(report)
+    with pytest.raises(ReportError, match="guard must be"):
+        build_report(write_eval_dir(tmp_path / "bad", [{"query_id": "1", "correct": True, "guard": "x"}]))
+
+    def record(*events: list[str]) -> EpisodeRecord:
+        workers = [WorkerRecord(trajectory=WorkerTrajectory(events=list(e))) for e in events]
+        return EpisodeRecord(episode_id="e", workers=workers)
+
+    assert guard_of(record([])) is None
+    assert guard_of(record(["finish_without_search"], [])) == "voided"
+    # Bounced, then voided on the second search-free answer: the gold bit reached the worker.
+    assert guard_of(record(["finish_without_search_bounced", "finish_without_search"])) == "bounced"
 
 
 def test_evidence_recall_and_tool_call_averages_from_run_files(tmp_path):

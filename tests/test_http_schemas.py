@@ -111,6 +111,35 @@ def test_gateway_refuses_a_worker_budget_the_wire_cannot_carry():
     EpisodeRequest.model_validate({"question": "q", "worker_budget": {"max_tokens": 2**31 - 1}})
 
 
+def test_worker_sampling_and_the_gold_bit_reach_the_worker_request_as_asked():
+    from google.protobuf import json_format
+    from pydantic import ValidationError
+
+    from core.v1 import coordinator_pb2
+    from services.coordinator.gateway import EpisodeRequest, worker_request
+    from services.coordinator.service import request_of
+
+    base = {"question": "q", "question_id": "7", "gold_answer": "1738"}
+    plain = worker_request(EpisodeRequest.model_validate(base), "e.w0", "task", "prompt")
+    # By default the gold answer reaches the no-search guard (FoldAgent's rule) and the worker samples
+    # with its own settings.
+    assert plain.gold_answer == "1738" and not plain.sampling.HasField("top_p")
+    rl = EpisodeRequest.model_validate({**base, "worker_sampling": {"top_p": 1.0}, "worker_gold": False})
+    sent = worker_request(rl, "e.w0", "task", "prompt")
+    assert sent.sampling.top_p == 1.0 and not sent.sampling.HasField("temperature")
+    assert not sent.HasField("gold_answer")  # nothing of the gold answer reaches a worker
+    # The gRPC request carries the same two fields, mapped onto the same model.
+    message = json_format.ParseDict(
+        {**base, "worker_sampling": {"top_p": 1.0}, "worker_gold": False},
+        coordinator_pb2.RunCoordinatorEpisodeRequest(),
+    )
+    assert request_of(message) == rl
+    assert request_of(coordinator_pb2.RunCoordinatorEpisodeRequest(question="q")).worker_gold is True
+    for bad in ({"top_p": 0}, {"top_p": 1.5}, {"temperature": -1}, {"top_k": 0}, {"min_p": 0.1}):
+        with pytest.raises(ValidationError):
+            EpisodeRequest.model_validate({**base, "worker_sampling": bad})
+
+
 # --- found by schemathesis with every check (`st run --checks all`, tests/http_fuzz.py) ----------
 
 

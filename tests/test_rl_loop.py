@@ -241,6 +241,9 @@ def test_one_update_on_the_judges_grades_of_the_workers_answers_raises_a_correct
     records = [EpisodeRecord.load(r) for r in episode_records(rl_stack, row["trained_episode_ids"])]
     assert len(records) == 4
     for record in records:
+        # Rollouts sample at top-p 1.0 (train rl --rollout-top-p): the engine's recorded log-probs are
+        # those of the distribution sampled from; the gold answer reaches the guard as FoldAgent trains.
+        assert (record.worker_sampling, record.worker_gold) == ({"top_p": 1.0}, True)
         (worker,) = record.workers
         assert worker.trajectory is not None, record.episode_id
         if worker.report.answer:  # a worker out of turns reports none (the structure is rarely missed)
@@ -250,6 +253,7 @@ def test_one_update_on_the_judges_grades_of_the_workers_answers_raises_a_correct
     assert 0 < m["reward_mean"] < 1 and m["zero_variance_groups"] == 0
     # Every sampled episode counts, the resampled groups' too: the worker is right about half the time.
     assert 0 < m["sampled_reward_mean"] < 1 and m["sampled_episodes"] == 4 * (1 + m["filtered_zero_variance"])
+    assert m["sampled_token_nll"] > 0 and "entropy" not in m
 
     checkpoint = out / "checkpoints" / "step-00000001"
     fixed, sft = rl_stack["fixed"], rl_stack["sft"]

@@ -24,7 +24,8 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
          "--train-hard", "0",
          "--hidden-size", "32", "--layers", "1", "--copy-steps", "4", "--sft-epochs", "1", "--sft-batch", "4",
          "--rl-minutes", "0.01", "--rl-groups", "1", "--rl-group-size", "2", "--concurrency", "4",
-         "--eval-rounds", "2", "--no-rl-dynamic-sampling", "--replicas", "2", "--rl-steps-per-update", "2"],
+         "--eval-rounds", "2", "--no-rl-dynamic-sampling", "--replicas", "2", "--rl-steps-per-update", "2",
+         "--final"],
         module="bcstack.speedrun", timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -50,18 +51,25 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
 
     report = json.loads((state / "report.json").read_text())
     assert [s["name"] for s in report["stages"]] == ["Untrained tiny", "SFT", "SFT + RL"]
-    # Without --final every evaluation reads the dev split, never a test question.
-    assert (report["split"], report["world_seed"], report["train_seed"]) == ("dev", 0, 0)
-    assert "evaluating on the dev split (dev.jsonl); --final evaluates on test" in out
+    # With --final every evaluation reads the test split, never a dev question (without it: dev).
+    assert (report["split"], report["world_seed"], report["train_seed"]) == ("test", 0, 0)
+    assert "evaluating on the test split (questions.jsonl)" in out
 
     def ids(path):
         return {json.loads(line)["query_id"] for line in path.read_text().splitlines()}
 
     dev_ids, test_ids = ids(state / "world" / "dev.jsonl"), ids(state / "world" / "questions.jsonl")
-    for stage in ("untrained", "sft", "rl"):
-        judged = ids(state / f"eval-dev-{stage}" / "judgements.jsonl")
-        assert judged == dev_ids and not judged & test_ids
-    assert not list(state.glob("eval-test-*"))
+    for stage in ("untrained", "sft", "rl", "rl-gold"):
+        judged = ids(state / f"eval-test-{stage}" / "judgements.jsonl")
+        assert judged == test_ids and not judged & dev_ids
+    assert not list(state.glob("eval-dev-*"))
+    # The table's evaluations withheld the gold answer from the workers; the RL model was evaluated
+    # once more with it sent, and the report gives the paired difference.
+    assert report["worker_gold"] is False and "withheld from the workers" in out
+    gold = report["worker_gold_comparison"]
+    assert gold["n"] == 6 and gold["baseline"] == "SFT + RL, no gold to workers"
+    assert all(set(s["guard"]) == {"bounced", "voided"} for s in report["stages"])
+    assert "The gold bit, measured once" in out
     # --eval-rounds 2: the SFT and RL models answer each question twice, the untrained one once.
     assert [s["total"] for s in report["stages"]] == [3, 6, 6]
     for stage in report["stages"]:
@@ -75,9 +83,17 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     assert sft_vs_untrained["n"] == 3 and sft_vs_untrained["by_question"] is None  # round 0 in common
     assert rl_vs_sft["n"] == 6 and rl_vs_sft["by_question"]["questions"] == 3
     assert "By question (3 questions, 2–2 rounds each)" in out
-    assert {"world", "collect", "copy", "sft", "eval untrained", "eval sft", "rl", "eval rl"} <= set(
-        report["seconds"]
-    )
+    assert {
+        "world",
+        "collect",
+        "copy",
+        "sft",
+        "eval untrained",
+        "eval sft",
+        "rl",
+        "eval rl",
+        "eval rl, other guard",
+    } <= set(report["seconds"])
     assert (state / "speedrun.png").stat().st_size > 10_000
 
     # SFT ran on the expert's records and the gate rows, balanced, and exported a serving checkpoint.

@@ -132,6 +132,25 @@ def test_per_sample_token_mean_counts_long_and_short_samples_equally():
     assert logp.grad.tolist() == [[-0.125, -0.25, -0.375, -0.5], [-2.5, 0.0, 0.0, 0.0]]
 
 
+def test_token_sum_aggregation_counts_every_token_once_over_a_constant():
+    # The same two samples as above, aggregation="token-sum", N = 10:
+    # l_0 = -(1 + 2 + 3 + 4) / 10 = -1, l_1 = -5 / 10 = -0.5, L = (-1 - 0.5) / 2 = -0.75
+    logp = torch.zeros(2, 4, requires_grad=True)
+    same = torch.zeros(2, 4)
+    adv = _t([[1, 2, 3, 4], [5, 0, 0, 0]])
+    mask = _t([[1, 1, 1, 1], [1, 0, 0, 0]])
+    loss, stats = grpo_loss(logp, same, same, same, adv, mask, aggregation="token-sum", token_norm=10)
+    assert loss.item() == pytest.approx(-0.75) and stats["pg_loss"] == pytest.approx(-0.75)
+    # dL/dlogp_it = (1/B)·(1/N)·(-A_it): every token's gradient scales with its own advantage alone,
+    # whatever the length of its sample (sample-mean gives the one-token sample's token 8x the weight).
+    loss.backward()
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.05, -0.1, -0.15, -0.2, -0.25, 0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="loss aggregation"):
+        grpo_loss(logp, same, same, same, adv, mask, aggregation="token-mean")
+    with pytest.raises(ValueError, match="token_norm"):
+        grpo_loss(logp, same, same, same, adv, mask, aggregation="token-sum", token_norm=0)
+
+
 def test_observation_tokens_contribute_nothing():
     gen = torch.Generator().manual_seed(0)
     logp, old, rollout, ref = (-torch.rand(3, 6, generator=gen) for _ in range(4))

@@ -118,10 +118,8 @@ def final_response(record: EpisodeRecord) -> str:
 
 
 def worker_report(worker: WorkerRecord) -> str:
-    """A worker's report as the coordinator read it (its raw text), else its answer and explanation."""
-    if worker.report.raw_text:
-        return worker.report.raw_text
-    return f"{worker.report.answer}\n{worker.report.explanation}"
+    """A worker's report as the coordinator read it (`WorkerRecord.report_text`)."""
+    return worker.report_text()
 
 
 def rule_grades(record: EpisodeRecord) -> EpisodeGrades:
@@ -328,8 +326,13 @@ def grpo_step(
     max_grad_norm: float = MAX_GRAD_NORM,
     layout: Layout | None = None,
     steps: int = 1,
+    aggregation: str = "sample-mean",
+    token_norm: float = 1.0,
 ) -> dict[str, float]:
     """One GRPO update of `policy` on `samples` (with `credit` aligned to them); returns its stats.
+
+    `aggregation` and `token_norm`: how a sample's token losses are combined (`trainer.loss`:
+    "sample-mean", or "token-sum" over the constant `token_norm`).
 
     `steps` > 1 splits the update into that many mini-batches of whole groups (`mini_batches`) and
     takes one optimizer step on each, in turn; logp_old and logp_ref are computed for every sample
@@ -390,6 +393,8 @@ def grpo_step(
                     advantages[which].to(device),
                     mask,
                     sample_weights=weights[which].to(device),
+                    aggregation=aggregation,
+                    token_norm=token_norm,
                 )
                 share = stats["sample_weight_sum"] / step_weight if real else 0.0
                 (loss * share).backward()

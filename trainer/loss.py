@@ -8,7 +8,8 @@ Notation, per sample i and token t; m_it = 1 on loss tokens (the worker's own ge
     ρ_it     = min(exp(logp_old_it − logp_rollout_it), C)         TIS weight, constant
     d_it     = logp_it − logp_ref_it
     k3_it    = clamp(exp(−d_it) − 1 + d_it, −10, 10)
-    l_i      = Σ_t m_it · (ρ_it · pg_it + β · k3_it) / Σ_t m_it    per-sample token mean
+    l_i      = Σ_t m_it · (ρ_it · pg_it + β · k3_it) / Σ_t m_it    per-sample token mean (default)
+    l_i      = Σ_t m_it · (ρ_it · pg_it + β · k3_it) / N            token sum over a constant
     L        = Σ_i w_i · l_i / Σ_i w_i                            w_i = sample_weights (default 1)
 
 with ε_low = 0.2, ε_high = 0.28 (asymmetric "clip-higher", DAPO, Yu et al. 2025, arXiv:2503.14476),
@@ -25,8 +26,12 @@ C = 2.0, β = 0.001. Samples without loss tokens are left out of L (their w_i do
   samples x ~ π_θ and r = π_ref(x) / π_θ(x) = exp(−d), k3 = (r − 1) − log r = exp(−d) − 1 + d is an
   unbiased, always non-negative estimator of KL(π_θ ‖ π_ref); slime's ``low_var_kl`` clamps it to
   [−10, 10] (only the upper end can bind). Its gradient w.r.t. logp is 1 − exp(−d).
-- Per-sample token mean: each sample's loss tokens are averaged first, so a long trajectory and a
-  short one count equally; then samples are averaged with the weights from
+- Loss aggregation (``aggregation``): "sample-mean" (the default) averages each sample's loss
+  tokens first, so a long trajectory and a short one count equally; "token-sum" sums them and
+  divides by a constant N (``token_norm``, e.g. the generation budget), as Dr. GRPO argues (Liu et
+  al. 2025, arXiv:2503.20783, §3.1: the per-sample mean gives each token of a long response less
+  weight, which biases towards long wrong answers and short right ones); every token then counts the
+  same. Either way samples are then averaged with the weights from
   ``trainer.advantages.balanced_weights`` (each episode counts once). DESIGN §5 has no entropy
   bonus, so there is none here.
 
@@ -134,9 +139,21 @@ def kl_k3(logp: Tensor, logp_ref: Tensor, *, mask: Tensor | None = None) -> Tens
     return (torch.exp(-d) - 1.0 + d).clamp(-KL_CLAMP, KL_CLAMP)
 
 
+AGGREGATIONS = ("sample-mean", "token-sum")
+
+
 def _token_mean(per_token: Tensor, m: Tensor) -> Tensor:
     """[B]: Σ_t m_it·x_it / Σ_t m_it (per_token is already 0 off the mask); 0 for an empty sample."""
     return per_token.sum(dim=-1) / m.sum(dim=-1).clamp_min(1)
+
+
+def _aggregate(per_token: Tensor, m: Tensor, aggregation: str, token_norm: float) -> Tensor:
+    """[B]: each sample's loss tokens, as its token mean or as their sum over the constant token_norm."""
+    if aggregation == "sample-mean":
+        return _token_mean(per_token, m)
+    if aggregation == "token-sum":
+        return per_token.sum(dim=-1) / token_norm
+    raise ValueError(f"loss aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
 
 
 def grpo_loss(
@@ -152,8 +169,11 @@ def grpo_loss(
     tis_cap: float = TIS_CAP,
     kl_coef: float = KL_COEF,
     sample_weights: Tensor | None = None,
+    aggregation: str = "sample-mean",
+    token_norm: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """L = Σ_i w_i·l_i / Σ_i w_i, l_i = token mean of ρ·pg + kl_coef·k3 (module docstring).
+    """L = Σ_i w_i·l_i / Σ_i w_i, l_i = token mean of ρ·pg + kl_coef·k3, or with
+    aggregation="token-sum" their token sum / token_norm (module docstring).
 
     Returns the scalar loss (gradient through ``logp`` only) and float stats: loss, pg_loss and kl
     (the same weighted per-sample means, pg including ρ), tis_clip_fraction, ppo_clip_fraction,
@@ -161,13 +181,15 @@ def grpo_loss(
     """
     if logp.dim() != 2:
         raise ValueError(f"log-probs must be [batch, seq], got {tuple(logp.shape)}")
+    if aggregation == "token-sum" and not token_norm > 0:
+        raise ValueError(f"token_norm must be > 0, got {token_norm}")
     m = _loss_tokens(mask, logp)
     ppo = ppo_clip_loss(logp, logp_old, advantages, m, eps_low=eps_low, eps_high=eps_high)
     tis = tis_weights(logp_old, logp_rollout, tis_cap, mask=m)
     kl = kl_k3(logp, logp_ref, mask=m)
 
-    sample_pg = _token_mean(tis.weights * ppo.loss, m)
-    sample_kl = _token_mean(kl, m)
+    sample_pg = _aggregate(tis.weights * ppo.loss, m, aggregation, token_norm)
+    sample_kl = _aggregate(kl, m, aggregation, token_norm)
     if sample_weights is None:
         w = torch.ones_like(sample_pg)
     else:

@@ -60,6 +60,13 @@ def run(
         None, "--worker-max-tokens", min=1, help="Worker episode token budget."
     ),
     worker_max_turns: int = typer.Option(None, "--worker-max-turns", min=1, help="Worker turns per episode."),
+    worker_gold: bool = typer.Option(
+        True,
+        "--worker-gold/--no-worker-gold",
+        help="Send the gold answer to the workers' no-search guard, which bounces a right answer given "
+        "before any search once (FoldAgent's rule: it tells the worker the answer is right). "
+        "--no-worker-gold: no gold reaches a worker; every search-free answer is voided.",
+    ),
     service_wait: float = typer.Option(
         120.0,
         "--service-wait",
@@ -101,6 +108,7 @@ def run(
             overrides=overrides,
             budget=budget,
             service_wait=service_wait,
+            worker_gold=worker_gold,
         )
     except EvalRunError as e:
         fail(f"{e} (finished questions are saved; run the same command again to resume)")
@@ -120,6 +128,7 @@ def run_with_progress(
     label: str = "eval",
     service_wait: float | None = None,
     after_each: Callable[[int], None] | None = None,
+    worker_gold: bool = True,
 ) -> dict[str, int]:
     """Run (or resume) an evaluation with a progress bar showing the accuracy so far; the tally.
 
@@ -134,8 +143,9 @@ def run_with_progress(
 
     waits = {} if service_wait is None else {"service_wait": service_wait}
     runner = EvalRunner(
-        out, gateway, judge, concurrency=concurrency, overrides=overrides, worker_budget=budget, **waits
-    )
+        out, gateway, judge, concurrency=concurrency, overrides=overrides, worker_budget=budget,
+        worker_gold=worker_gold, **waits,
+    )  # fmt: skip
     run_id, tasks = runner.prepare(items, rounds)
     total = len(items) * rounds
     done_before = total - len(tasks)

@@ -29,7 +29,7 @@ import math
 import textwrap
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +280,10 @@ class Report:
     calibration_n: int  # judgements with a stated confidence: the calibration error's items
     calibration_unstated: int  # judgements without one: in no calibration bin
     status_counts: dict[str, int]
+    # Episodes where the workers' no-search guard fired: "bounced" (a right answer given before any
+    # search was sent back: the worker learnt it was right, FoldAgent's rule, gold sent to workers),
+    # "voided" (a search-free answer given up); gold_to_workers: how many episodes sent the gold.
+    guard_counts: dict[str, int] = field(default_factory=dict)
     paired: dict[str, Any] | None = None
     baseline: Report | None = None
 
@@ -309,6 +313,7 @@ class _Judgement:
     correct: bool | None
     confidence: float | None
     status: str | None
+    guard: str | None = None  # the no-search guard on this episode: "bounced", "voided" or None
 
     @property
     def key(self) -> Key:
@@ -343,9 +348,9 @@ def _parse_judgement(obj: dict[str, Any], path: Path, lineno: int) -> _Judgement
     def bad(reason: str) -> ReportError:
         return ReportError(path, reason, lineno)
 
-    for field in ("query_id", "round", "correct"):
-        if field not in obj:
-            raise bad(f"no {field!r}")
+    for key in ("query_id", "round", "correct"):
+        if key not in obj:
+            raise bad(f"no {key!r}")
     query_id = _as_id(obj["query_id"])
     if query_id is None:
         raise bad(f"query_id must be a non-empty string, got {obj['query_id']!r}")
@@ -366,7 +371,11 @@ def _parse_judgement(obj: dict[str, Any], path: Path, lineno: int) -> _Judgement
         raise bad(f"tier must be a string or null, got {tier!r}")
     if status is not None and not isinstance(status, str):
         raise bad(f"status must be a string or null, got {status!r}")
+    guard = obj.get("guard")
+    if guard not in (None, "bounced", "voided"):
+        raise bad(f"guard must be bounced, voided or null, got {guard!r}")
     return _Judgement(
+        guard=guard,
         query_id=query_id,
         round=rnd,
         tier=tier.lower() if tier else None,
@@ -513,6 +522,7 @@ def _summarise(eval_dir: Path) -> tuple[Report, dict[Key, bool]]:
         calibration_n=len(calibrated),
         calibration_unstated=total - len(calibrated),
         status_counts=dict(sorted(statuses.items(), key=lambda kv: (-kv[1], kv[0]))),
+        guard_counts={k: sum(j.guard == k for j in judgements) for k in ("bounced", "voided")},
     )
     return report, {j.key: j.correct is True for j in judgements}
 
@@ -595,6 +605,12 @@ def render_markdown(report: Report, name: str = "this run", baseline_name: str =
     lines.append(f"- {calibration_line(r)}")
     statuses = ", ".join(f"{status} {count}" for status, count in r.status_counts.items())
     lines.append(f"- Status: {statuses}")
+    if r.guard_counts:
+        lines.append(
+            f"- No-search guard: {r.guard_counts.get('bounced', 0)} episode(s) had a search-free answer "
+            f"bounced (the gold answer reached the worker, which then knew it was right), "
+            f"{r.guard_counts.get('voided', 0)} voided"
+        )
     if r.baseline is not None:
         lines.append(f"- {_cell(baseline_name)} Wilson 95% interval: {_interval(r.baseline.wilson_95)}")
 

@@ -43,7 +43,12 @@ import httpx
 from bcstack.evaluation.loaders import EvalQuestion
 from bcstack.gateway_client import GatewayError, run_episode
 from core.grading import response_confidence, response_text
-from core.records import EpisodeGrades, EpisodeRecord
+from core.records import (
+    EVENT_FINISH_WITHOUT_SEARCH,
+    EVENT_FINISH_WITHOUT_SEARCH_BOUNCED,
+    EpisodeGrades,
+    EpisodeRecord,
+)
 
 JUDGEMENTS = "judgements.jsonl"
 META = "eval.json"
@@ -84,6 +89,15 @@ def run_file(record: EpisodeRecord, query_id: str) -> dict[str, Any]:
         "endpoint": record.endpoint,
         "weight_versions": record.weight_versions,
     }
+
+
+def guard_of(record: EpisodeRecord) -> str | None:
+    """ "bounced" when a worker's search-free answer was sent back because it matched the gold answer
+    (the worker then knew it was right), else "voided" when one was given up, else None."""
+    events = {e for w in record.workers if w.trajectory is not None for e in w.trajectory.events}
+    if EVENT_FINISH_WITHOUT_SEARCH_BOUNCED in events:
+        return "bounced"
+    return "voided" if EVENT_FINISH_WITHOUT_SEARCH in events else None
 
 
 def failure_of(record: EpisodeRecord) -> str:
@@ -165,6 +179,7 @@ class EvalRunner:
         episode_timeout: float = 3600.0,
         overrides: dict[str, Any] | None = None,
         worker_budget: dict[str, Any] | None = None,
+        worker_gold: bool = True,
         service_wait: float = SERVICE_WAIT_SECONDS,
     ) -> None:
         self.out = out
@@ -175,6 +190,7 @@ class EvalRunner:
         self.episode_timeout = episode_timeout
         self.overrides = overrides or {}
         self.worker_budget = worker_budget or {}
+        self.worker_gold = worker_gold
         self._lock = asyncio.Lock()
 
     def prepare(self, questions: list[EvalQuestion], rounds: int) -> tuple[str, list[Task]]:
@@ -251,6 +267,8 @@ class EvalRunner:
             body["overrides"] = self.overrides
         if self.worker_budget:
             body["worker_budget"] = self.worker_budget
+        if not self.worker_gold:
+            body["worker_gold"] = False
         record = await self._episode(client, body)
         response = response_text(record.answer, record.explanation, record.confidence)
         grade = await self._grade(client, q.query, response, q.answer)
@@ -275,6 +293,7 @@ class EvalRunner:
             "grader_version": grade.get("grader_version"),
             "grading_error": grade.get("error"),
             "seconds": record.seconds,
+            "guard": guard_of(record),
         }
         async with self._lock:  # whole lines, in completion order, durable before the next
             with (self.out / JUDGEMENTS).open("a") as f:

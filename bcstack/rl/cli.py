@@ -147,6 +147,20 @@ def rl(
         help="Multiply negative advantages by this (1: seed 000's GRPO; < 1 sharpens a near-deterministic "
         "policy instead of spreading it: trainer/advantages.py).",
     ),
+    rollout_top_p: float = typer.Option(
+        1.0,
+        "--rollout-top-p",
+        min=0.0,
+        max=1.0,
+        help="Nucleus mass the rollouts sample with (slime and verl: 1.0, so the engine's log-probs are "
+        "those of the distribution sampled from); 0: the workers' own setting (evaluation's 0.95).",
+    ),
+    loss_aggregation: str = typer.Option(
+        "sample-mean",
+        "--loss-aggregation",
+        help="How a sample's token losses combine: sample-mean (each sample counts once) or token-sum "
+        "(over the worker token budget, Dr. GRPO: each token counts once).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the question order."),
     worker_checkpoint_root: Path | None = typer.Option(
         None,
@@ -205,6 +219,8 @@ def rl(
     need_model("--ref", ref)
     if mixed_versions not in ("keep", "drop", "error"):
         fail(f"--mixed-versions must be keep, drop or error, not {mixed_versions!r}")
+    if loss_aggregation not in ("sample-mean", "token-sum"):
+        fail(f"--loss-aggregation must be sample-mean or token-sum, not {loss_aggregation!r}")
     from bcstack.evaluation.loaders import LoaderError, load_questions
     from bcstack.rl.loop import RLConfig, RLError, RLRun, follow
     from bcstack.rl.rollouts import RolloutError
@@ -270,6 +286,8 @@ def rl(
         mixed_versions=mixed_versions,
         dynamic_sampling=dynamic_sampling,
         negative_advantage_scale=negative_advantage_scale,
+        rollout_top_p=rollout_top_p or None,
+        loss_aggregation=loss_aggregation,
         seed=seed,
         worker_checkpoint_root=worker_checkpoint_root,
         worker_budget=budget,

@@ -120,6 +120,13 @@ class RLConfig:
     # Negative advantages are multiplied by this (trainer.advantages.scale_negative_advantages);
     # 1.0 is seed 000's recipe.
     negative_advantage_scale: float = 1.0
+    # Rollouts sample at this top-p (slime and verl: 1.0), so the engine's recorded log-probs, which
+    # are of the full distribution, are those of the distribution sampled from and the importance
+    # weights are right; None: the workers' own setting (seed 001's 0.95, which evaluation keeps).
+    rollout_top_p: float | None = 1.0
+    # How each sample's token losses are combined (trainer.loss): "sample-mean" or "token-sum"
+    # over the worker budget's max_tokens (Dr. GRPO's constant).
+    loss_aggregation: str = "sample-mean"
     seed: int = 0
     # The run's OUT folder as the worker replicas see it (a shared volume mounted elsewhere in the
     # worker pods); None: the same path.
@@ -134,6 +141,13 @@ class RLConfig:
     eval_questions: list[Any] = field(default_factory=list)
     report_to: set[str] = field(default_factory=set)  # tensorboard, wandb (metrics.jsonl always)
     metrics_port: int | None = None  # Prometheus bcstack_trainer_* metrics
+
+
+def token_norm(cfg: RLConfig) -> float:
+    """The constant a "token-sum" loss divides by: the workers' token budget (Dr. GRPO's MAX_TOKENS)."""
+    from core.budget import MAX_TOKENS
+
+    return float(cfg.worker_budget.get("max_tokens", MAX_TOKENS))
 
 
 def _crash_point(phase: str, update: int) -> None:
@@ -196,6 +210,7 @@ class RLRun:
             config.gateway,
             config.judge,
             worker_budget=config.worker_budget,
+            worker_sampling={"top_p": config.rollout_top_p} if config.rollout_top_p is not None else {},
             overrides=config.overrides,
             judge_attempts=config.judge_attempts,
             judge_backoff_seconds=config.judge_backoff_seconds,
@@ -493,6 +508,8 @@ class RLRun:
             micro_batch_tokens=self.cfg.micro_batch_tokens,
             layout=self.layout,
             steps=self.cfg.steps_per_update,
+            aggregation=self.cfg.loss_aggregation,
+            token_norm=token_norm(self.cfg),
         )
         generated = [lp for s in samples for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if m]
         metrics.update(
@@ -656,6 +673,7 @@ def follow(cfg: RLConfig, layout: Layout) -> None:
         grpo_step(
             models["policy"], models["ref"], models["optimizer"], samples, credit,
             micro_batch_tokens=cfg.micro_batch_tokens, layout=layout, steps=cfg.steps_per_update,
+            aggregation=cfg.loss_aggregation, token_norm=token_norm(cfg),
         )  # fmt: skip
 
     def save(update: int) -> None:

@@ -102,6 +102,7 @@ class StackClient:
         judge: str,
         *,
         worker_budget: dict[str, int] | None = None,
+        worker_sampling: dict[str, float] | None = None,
         overrides: dict[str, Any] | None = None,
         judge_attempts: int = 5,
         judge_backoff_seconds: float = 1.0,
@@ -110,6 +111,7 @@ class StackClient:
         self.gateway = gateway.rstrip("/")
         self.judge = judge.rstrip("/")
         self.worker_budget = worker_budget or {}
+        self.worker_sampling = worker_sampling or {}
         self.overrides = overrides or {}
         self.judge_attempts = judge_attempts
         self.judge_backoff_seconds = judge_backoff_seconds
@@ -156,6 +158,7 @@ class StackClient:
                 "group_id": group.group_id,
                 "episode_id": episode_id,
                 **({"worker_budget": self.worker_budget} if self.worker_budget else {}),
+                **({"worker_sampling": self.worker_sampling} if self.worker_sampling else {}),
                 **({"overrides": self.overrides} if self.overrides else {}),
             }
             for episode_id in episode_ids
@@ -200,8 +203,7 @@ class StackClient:
                 {
                     "question": q.query,
                     "task": worker.prompt or worker.description,
-                    "report": worker.report.raw_text
-                    or f"{worker.report.answer}\n{worker.report.explanation}",
+                    "report": worker.report_text(),
                     "final_answer": record.answer,
                     "gold_answer": q.answer,
                 }

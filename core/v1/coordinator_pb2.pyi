@@ -18,7 +18,7 @@ class CoordinatorOverrides(_message.Message):
     def __init__(self, max_turns: _Optional[int] = ..., max_branches: _Optional[int] = ..., wall_time_seconds: _Optional[float] = ...) -> None: ...
 
 class RunCoordinatorEpisodeRequest(_message.Message):
-    __slots__ = ("question", "question_id", "gold_answer", "overrides", "episode_id", "worker_budget", "group_id")
+    __slots__ = ("question", "question_id", "gold_answer", "overrides", "episode_id", "worker_budget", "group_id", "worker_sampling", "worker_gold")
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
     GOLD_ANSWER_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class RunCoordinatorEpisodeRequest(_message.Message):
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_BUDGET_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    WORKER_GOLD_FIELD_NUMBER: _ClassVar[int]
     question: str
     question_id: str
     gold_answer: str
@@ -33,7 +35,9 @@ class RunCoordinatorEpisodeRequest(_message.Message):
     episode_id: str
     worker_budget: _common_pb2.BudgetOverrides
     group_id: str
-    def __init__(self, question: _Optional[str] = ..., question_id: _Optional[str] = ..., gold_answer: _Optional[str] = ..., overrides: _Optional[_Union[CoordinatorOverrides, _Mapping]] = ..., episode_id: _Optional[str] = ..., worker_budget: _Optional[_Union[_common_pb2.BudgetOverrides, _Mapping]] = ..., group_id: _Optional[str] = ...) -> None: ...
+    worker_sampling: _common_pb2.SamplingOverrides
+    worker_gold: bool
+    def __init__(self, question: _Optional[str] = ..., question_id: _Optional[str] = ..., gold_answer: _Optional[str] = ..., overrides: _Optional[_Union[CoordinatorOverrides, _Mapping]] = ..., episode_id: _Optional[str] = ..., worker_budget: _Optional[_Union[_common_pb2.BudgetOverrides, _Mapping]] = ..., group_id: _Optional[str] = ..., worker_sampling: _Optional[_Union[_common_pb2.SamplingOverrides, _Mapping]] = ..., worker_gold: _Optional[bool] = ...) -> None: ...
 
 class RunCoordinatorEpisodeResponse(_message.Message):
     __slots__ = ("episode_id", "answer", "explanation", "confidence", "worker_reports", "usage", "status", "endpoint", "weight_versions", "worker_usage", "error", "question_id", "seconds")

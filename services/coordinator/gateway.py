@@ -81,6 +81,19 @@ class WorkerBudget(BaseModel):
     context_length: int | None = Field(None, gt=0, le=INT32_MAX)
 
 
+class WorkerSampling(BaseModel):
+    """Sampling for every worker episode of the request (the worker's settings where unset): RL
+    rollouts sample at top_p 1.0, so the engine's recorded log-probs are those of the distribution
+    sampled from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=1, le=INT32_MAX)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+
+
 class EpisodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -91,6 +104,11 @@ class EpisodeRequest(BaseModel):
     episode_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
     overrides: LoopOverrides | None = None
     worker_budget: WorkerBudget | None = None
+    worker_sampling: WorkerSampling | None = None
+    # The gold answer reaches the workers' no-search guard (FoldAgent's rule: a right answer given
+    # before any search is bounced once; a wrong one voided). False: every search-free answer is
+    # voided, and nothing of the gold answer reaches a worker. The record keeps the gold either way.
+    worker_gold: bool = True
 
 
 class EndpointChange(BaseModel):
@@ -100,6 +118,24 @@ class EndpointChange(BaseModel):
 
     endpoint: EndpointSpec | None = None
     activate: str | None = None
+
+
+def worker_request(
+    request: EpisodeRequest, worker_id: str, description: str, prompt: str
+) -> worker_pb2.RunWorkerEpisodeRequest:
+    """The worker episode a branch of `request` runs: its budget and sampling overrides, and the gold
+    answer for the worker's no-search guard unless `worker_gold` is false."""
+    budget = request.worker_budget.model_dump(exclude_none=True) if request.worker_budget else {}
+    sampling = request.worker_sampling.model_dump(exclude_none=True) if request.worker_sampling else {}
+    return worker_pb2.RunWorkerEpisodeRequest(
+        episode_id=worker_id,
+        question_id=request.question_id or "",
+        group_id=request.group_id or "",
+        branch=worker_pb2.BranchTask(description=description, prompt=prompt),
+        budget=common_pb2.BudgetOverrides(**budget),
+        sampling=common_pb2.SamplingOverrides(**sampling),
+        gold_answer=request.gold_answer if request.worker_gold else None,  # unset when None
+    )
 
 
 class InvalidEpisode(ValueError):
@@ -197,6 +233,10 @@ def episode_record(
             wall_time_seconds=limits.wall_time_seconds,
         ),
         worker_budget=request.worker_budget.model_dump(exclude_none=True) if request.worker_budget else {},
+        worker_sampling=request.worker_sampling.model_dump(exclude_none=True)
+        if request.worker_sampling
+        else {},
+        worker_gold=request.worker_gold,
         coordinator=CoordinatorLog(
             messages=episode.messages,
             turns=[
@@ -421,23 +461,13 @@ class GatewayCore:
         episode_id, endpoint = admission.episode_id, admission.endpoint
         try:
             limits = self.limits_of(request)
-            budget = common_pb2.BudgetOverrides(
-                **(request.worker_budget.model_dump(exclude_none=True) if request.worker_budget else {})
-            )
             worker_ids: dict[int, str] = {}
 
             async def dispatch(branch: Branch):
                 worker_id = f"{episode_id}.w{branch.index}"
                 worker_ids[branch.index] = worker_id
                 return await self.pool.run(
-                    worker_pb2.RunWorkerEpisodeRequest(
-                        episode_id=worker_id,
-                        question_id=request.question_id or "",
-                        group_id=request.group_id or "",
-                        branch=worker_pb2.BranchTask(description=branch.description, prompt=branch.prompt),
-                        budget=budget,
-                        gold_answer=request.gold_answer,  # the worker's no-search guard; unset when None
-                    )
+                    worker_request(request, worker_id, branch.description, branch.prompt)
                 )
 
             if on_event is not None:

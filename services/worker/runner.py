@@ -33,14 +33,19 @@ from typing import Any, Protocol
 from core import protocol as p
 from core.budget import TEMPERATURE, TOP_P, BudgetLimits, StopReason, TurnGrant, WorkerBudget
 from core.chat_template import render_chat
-from core.records import ToolCall, TurnSpan, VersionSpan, WorkerTrajectory
+from core.records import (
+    EVENT_FINISH_WITHOUT_SEARCH,
+    EVENT_FINISH_WITHOUT_SEARCH_BOUNCED,
+    ToolCall,
+    TurnSpan,
+    VersionSpan,
+    WorkerTrajectory,
+)
 from services.worker.retrieval_client import RetrievalFailed, ToolInputRejected
 
 IM_END = "<|im_end|>"
-# Trajectory.events: the no-search guard voided an answer given before any search (no reward), or
-# bounced one that matched the gold answer (FoldAgent's must-search message).
-EVENT_FINISH_WITHOUT_SEARCH = "finish_without_search"
-EVENT_FINISH_WITHOUT_SEARCH_BOUNCED = "finish_without_search_bounced"
+# Trajectory.events (core.records): the no-search guard voided an answer given before any search
+# (no reward), or bounced one that matched the gold answer (FoldAgent's must-search message).
 
 
 class Tokenizer(Protocol):
