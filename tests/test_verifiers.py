@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import re
 
 import pytest
 
@@ -17,7 +19,17 @@ from core.verifiers import (
     parse_number,
     verifier_for,
 )
-from devkit.toyworld.domains import DEV_PROMPTS, DomainError, build_domain, normalise, write_domain
+from devkit.toyworld.domains import (
+    DEV_PROMPTS,
+    GENERATORS,
+    DomainError,
+    Problem,
+    all_signatures,
+    build_domain,
+    distinct_problems,
+    write_domain,
+)
+from devkit.toyworld.domains import _overlaps as split_overlaps
 
 
 @pytest.mark.parametrize(
@@ -115,7 +127,7 @@ def test_toy_domains_are_deterministic_deduplicated_and_split(tmp_path):
     assert a == build_domain("arithmetic", train=300, test=50, seed=3)
     assert a["train"] != build_domain("arithmetic", train=300, test=50, seed=4)["train"]
     assert (len(a["train"]), len(a["dev"]), len(a["test"])) == (300, DEV_PROMPTS, 50)
-    keys = {s: {normalise(r["prompt"]) for r in a[s]} for s in ("train", "dev", "test")}
+    keys = {s: {r["signature"] for r in a[s]} for s in ("train", "dev", "test")}
     assert sum(len(k) for k in keys.values()) == 300 + DEV_PROMPTS + 50  # unique within and across
     v = MathVerifier()
     for row, chat in zip(a["train"], a["sft"], strict=True):  # every worked reply is right
@@ -131,8 +143,58 @@ def test_toy_domains_are_deterministic_deduplicated_and_split(tmp_path):
     assert len(rows) == 20 and rows[0].domain == "sequence" and rows[0].messages[0]["role"] == "user"
     with pytest.raises(DomainError, match="not empty"):
         write_domain(tmp_path / "m", "sequence", train=200, test=20)
-    with pytest.raises(DomainError, match="ran out of distinct problems"):
+    with pytest.raises(
+        DomainError, match=r"the sequence domain has 2,583 distinct problems .* at most 2,519"
+    ):
         build_domain("sequence", train=100_000, test=10)
+
+
+def test_toy_domains_are_held_out_by_numeric_signature(monkeypatch):
+    """At the bench's size (1,600 train / 64 dev / 200 test), no test or dev problem has a training
+    problem's numbers and operations under other names; problems differing only in name and thing
+    are one problem; the signature spaces are counted exactly, and a build can use all of them."""
+    assert (distinct_problems("arithmetic"), distinct_problems("sequence")) == (1944, 2583)
+    for domain in ("arithmetic", "sequence"):
+        rows = build_domain(domain, train=1600, test=200, seed=0)
+        keys = {s: [r["signature"] for r in rows[s]] for s in ("train", "dev", "test")}
+        train = set(keys["train"])
+        assert len(train) == 1600 and not train & set(keys["test"]) and not train & set(keys["dev"])
+        assert not set(keys["dev"]) & set(keys["test"]) and not split_overlaps(rows)
+        assert all(r["signature"] in all_signatures(domain) for s in keys for r in rows[s])
+    # The arithmetic signature is the start and each step; the text of the row says the same numbers.
+    rng = random.Random(1)
+    for _ in range(200):
+        p = GENERATORS["arithmetic"](rng)
+        numbers = re.findall(r"\d+", p.question)
+        assert re.findall(r"\d+", p.signature) == numbers and p.signature[0] == numbers[0][0]
+    # Two problems that differ only in the name and the thing are duplicates: the first is kept.
+    mia = Problem(
+        "Mia has 7 shells. She finds 5 more shells. How many shells does Mia have now?", 12, "", "7+5"
+    )
+    omar = Problem("Omar has 7 keys. He finds 5 more keys. How many keys does Omar have now?", 12, "", "7+5")
+    real = GENERATORS["arithmetic"]
+    first = iter([mia, omar])
+    monkeypatch.setitem(GENERATORS, "arithmetic", lambda rng: next(first, None) or real(rng))
+    rows = build_domain("arithmetic", train=10, test=5)
+    prompts = [r["prompt"] for s in ("train", "dev", "test") for r in rows[s]]
+    assert mia.question in rows["dev"][0]["prompt"] and not any(omar.question in p for p in prompts)
+    assert rows["_stats"][0]["duplicates_removed"] >= 1
+    monkeypatch.setitem(GENERATORS, "arithmetic", real)
+    # Every arithmetic problem fits in one build, and one more is a one-line error that says so.
+    full = build_domain("arithmetic", train=1944 - DEV_PROMPTS - 100, test=100, seed=2)
+    assert {r["signature"] for s in ("train", "dev", "test") for r in full[s]} == all_signatures("arithmetic")
+    with pytest.raises(DomainError) as e:
+        build_domain("arithmetic", train=2000, test=200)
+    assert "\n" not in str(e.value)
+    assert "arithmetic domain has 1,944 distinct problems" in str(e.value) and "2,264 were asked" in str(
+        e.value
+    )
+    # The split audit reads the written rows' signatures.
+    rows = build_domain("arithmetic", train=10, test=5)
+    rows["test"][0] = {**rows["test"][0], "signature": rows["train"][0]["signature"]}
+    assert split_overlaps(rows) == [
+        f"1 signatures in both train and test (e.g. {rows['train'][0]['signature']})"
+    ]
 
 
 def test_prompt_files_refuse_bad_rows_with_their_line(tmp_path):

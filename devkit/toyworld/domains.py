@@ -12,19 +12,29 @@ format, so the same verifier, trainer and evaluation run on them and on the real
 
 Two domains, because multi-teacher on-policy distillation needs a teacher per domain.
 
-Preparation follows the seed's: duplicate questions are removed (normalised text: lowercase,
-whitespace collapsed), a deterministic 64-prompt development split and a test split are taken out,
-and the remaining rows are the training prompts; no normalised question is in two splits (checked
-again after writing), and `manifest.json` records every count and each file's SHA-256. The same seed
-gives byte-identical files (one seeded RNG, no set iteration).
+Preparation follows the seed's: duplicate problems are removed, a deterministic 64-prompt
+development split and a test split are taken out, and the remaining rows are the training prompts;
+`manifest.json` records every count and each file's SHA-256. The same seed gives byte-identical files
+(one seeded RNG, no set iteration).
+
+A duplicate is a problem with the same **numeric signature**, not the same text: the numbers and
+operations that decide the answer — for ``arithmetic`` the start value and each step's operation and
+operand (``"7+5-3"``; "Mia has 7 shells" and "Omar has 7 keys" with the same steps are one problem),
+for ``sequence`` the shown terms (``"3,5,7,9"``, which fix the step). So "held out" means held out
+by content: no signature is in two splits (audited again on the finished rows' ``signature`` field
+before anything is written). The signature spaces are small and counted exactly
+(`distinct_problems`): arithmetic has 1,944 (start 2..9, one or two steps of 1..9 up or down within
+0..20), sequence 2,583 (21 steps x 3 lengths x 41 starts); asking for more train + 64 dev + test
+problems than that is a DomainError.
 
 Files: ``train.jsonl``, ``dev.jsonl``, ``test.jsonl`` with rows ``{"id", "domain", "prompt",
-"label"}`` (DAPO-Math-17k's `prompt` + `label`, as slime's copy of it has them: the prompt asks for
-an ``Answer:`` last line); ``sft.jsonl`` with one chat row per training prompt whose reply works the
-problem out step by step (``{"messages", "enable_thinking": false, "source"}``, for
-`bcstack train sft`), which is how the tests make a base model that knows the answer format;
-``corpus.jsonl`` holds the training prompts with their replies as BrowseComp-Plus documents, for
-`bcstack model tiny --corpus` to train a tokenizer that knows the domain's words.
+"label", "signature"}`` (DAPO-Math-17k's `prompt` + `label`, as slime's copy of it has them: the
+prompt asks for an ``Answer:`` last line; prompt readers ignore the extra fields); ``sft.jsonl`` with
+one chat row per training prompt whose reply works the problem out step by step (``{"messages",
+"enable_thinking": false, "source"}``, for `bcstack train sft`), which is how the tests make a base
+model that knows the answer format; ``corpus.jsonl`` holds the training prompts with their replies as
+BrowseComp-Plus documents, for `bcstack model tiny --corpus` to train a tokenizer that knows the
+domain's words.
 """
 
 from __future__ import annotations
@@ -33,12 +43,12 @@ import hashlib
 import json
 import os
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
-DOMAINS_VERSION = "1"
+DOMAINS_VERSION = "2"  # 2: duplicates by numeric signature, not text; rows carry it
 DEV_PROMPTS = 64  # seed 004: "a deterministic 64-prompt development split"
 # DAPO-Math-17k's instruction around each problem (the prepared rows slime trains on).
 PROMPT_PREFIX = (
@@ -48,6 +58,9 @@ PROMPT_PREFIX = (
 PROMPT_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 MAX_TOTAL = 20
+_SEQUENCE_STEPS = tuple(d for d in range(-9, 13) if d)
+_SEQUENCE_LENGTHS = (3, 4, 5)
+_SEQUENCE_START_SPAN = 40  # starts in [low, low + 40]: 41 of them for every step and length
 _NAMES = ("Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Ivy", "Eli", "Ruth", "Sam", "Tara", "Ben")
 _SHE = frozenset({"Mia", "Ava", "Zoe", "Ivy", "Ruth", "Tara"})
 _THINGS = ("shells", "apples", "coins", "stamps", "marbles", "books", "pens", "cards", "stones", "keys")
@@ -62,12 +75,14 @@ class Problem:
     question: str
     answer: int
     solution: str  # the worked reply, ending in the "Answer: N" line
+    signature: str  # the numbers and operations ("7+5-3", "3,5,7,9"): the deduplication key
 
 
 def _arithmetic(rng: random.Random) -> Problem:
     name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
     value = rng.randint(2, 9)
     text = [f"{name} has {value} {thing}."]
+    signature = str(value)
     work: list[str] = []
     pronoun = "she" if name in _SHE else "he"
     for i in range(rng.randint(1, 2)):
@@ -77,35 +92,83 @@ def _arithmetic(rng: random.Random) -> Problem:
             n = rng.randint(1, value)
             phrase = f"gives away {n} {thing}"
             work.append(f"{value} - {n} = {value - n}.")
+            signature += f"-{n}"
             value -= n
         else:
             phrase = f"finds {n} more {thing}"
             work.append(f"{value} + {n} = {value + n}.")
+            signature += f"+{n}"
             value += n
         text.append(f"Then {pronoun} {phrase}." if i else f"{pronoun.capitalize()} {phrase}.")
     text.append(f"How many {thing} does {name} have now?")
-    return Problem(" ".join(text), value, " ".join(work) + f"\nAnswer: {value}")
+    return Problem(" ".join(text), value, " ".join(work) + f"\nAnswer: {value}", signature)
+
+
+def _arithmetic_steps(value: int) -> list[str]:
+    """Every step `_arithmetic` can take from `value`: +n while the total stays within MAX_TOTAL;
+    -1..-value when it can subtract at all (value > some n, or value + 9 over MAX_TOTAL)."""
+    steps = [f"+{n}" for n in range(1, 10) if value + n <= MAX_TOTAL]
+    if value >= 2 or value + 9 > MAX_TOTAL:
+        steps += [f"-{n}" for n in range(1, value + 1)]
+    return steps
+
+
+def _arithmetic_signatures() -> set[str]:
+    found = set()
+    for start in range(2, 10):
+        for first in _arithmetic_steps(start):
+            found.add(f"{start}{first}")
+            after = start + int(first)
+            found.update(f"{start}{first}{second}" for second in _arithmetic_steps(after))
+    return found
 
 
 def _sequence(rng: random.Random) -> Problem:
-    step = rng.choice([d for d in range(-9, 13) if d])
-    length = rng.randint(3, 5)
-    # Decreasing progressions start high enough that the answer stays at 0 or above.
-    start = rng.randint(-step * length, -step * length + 40) if step < 0 else rng.randint(0, 40)
+    step = rng.choice(_SEQUENCE_STEPS)
+    length = rng.randint(_SEQUENCE_LENGTHS[0], _SEQUENCE_LENGTHS[-1])
+    low = _sequence_low(step, length)
+    start = rng.randint(low, low + _SEQUENCE_START_SPAN)
     terms = [start + step * i for i in range(length)]
     answer = terms[-1] + step
     shown = ", ".join(str(t) for t in terms)
     sign = "+" if step > 0 else "-"
     solution = f"The difference is {step}. {terms[-1]} {sign} {abs(step)} = {answer}.\nAnswer: {answer}"
-    return Problem(f"What number comes next in the sequence {shown}?", answer, solution)
+    signature = ",".join(str(t) for t in terms)
+    return Problem(f"What number comes next in the sequence {shown}?", answer, solution, signature)
+
+
+def _sequence_low(step: int, length: int) -> int:
+    # Decreasing progressions start high enough that the answer stays at 0 or above.
+    return -step * length if step < 0 else 0
+
+
+def _sequence_signatures() -> set[str]:
+    return {
+        ",".join(str(start + step * i) for i in range(length))
+        for step in _SEQUENCE_STEPS
+        for length in _SEQUENCE_LENGTHS
+        for start in range(
+            _sequence_low(step, length), _sequence_low(step, length) + _SEQUENCE_START_SPAN + 1
+        )
+    }
 
 
 GENERATORS: dict[str, Callable[[random.Random], Problem]] = {"arithmetic": _arithmetic, "sequence": _sequence}
+_SIGNATURES: dict[str, Callable[[], set[str]]] = {
+    "arithmetic": _arithmetic_signatures,
+    "sequence": _sequence_signatures,
+}
 
 
-def normalise(question: str) -> str:
-    """The deduplication key: lowercase, runs of whitespace as one space."""
-    return re.sub(r"\s+", " ", question.lower()).strip()
+@cache
+def all_signatures(domain: str) -> frozenset[str]:
+    """Every numeric signature the domain's generator can produce (enumerated, not sampled)."""
+    return frozenset(_SIGNATURES[domain]())
+
+
+def distinct_problems(domain: str) -> int:
+    """How many distinct problems (numeric signatures) the domain has: the most one build can hold."""
+    return len(all_signatures(domain))
 
 
 def prompt_of(question: str) -> str:
@@ -118,6 +181,7 @@ def _row(domain: str, index: int, problem: Problem) -> dict:
         "domain": domain,
         "prompt": prompt_of(problem.question),
         "label": str(problem.answer),
+        "signature": problem.signature,
     }
 
 
@@ -126,28 +190,28 @@ def build_domain(domain: str, *, train: int, test: int, seed: int = 0) -> dict[s
     if domain not in GENERATORS:
         raise DomainError(f"unknown domain {domain!r}; choose one of {', '.join(GENERATORS)}")
     want = train + DEV_PROMPTS + test
+    have = distinct_problems(domain)
+    if want > have:
+        raise DomainError(
+            f"the {domain} domain has {have:,} distinct problems (numeric signatures) and "
+            f"{train:,} train + {DEV_PROMPTS} dev + {test:,} test = {want:,} were asked for; "
+            f"ask for at most {have - DEV_PROMPTS:,} train + test"
+        )
     # The seed mixes in the domain name so two domains with one seed are independent streams.
     rng = random.Random(f"{domain}:{seed}")
     make = GENERATORS[domain]
     problems: list[Problem] = []
     seen: set[str] = set()
-    draws = duplicates = streak = 0
+    draws = duplicates = 0
+    # Terminates: every signature has a non-negligible chance (all 1,944 arithmetic ones turn up in
+    # about 50,000 draws, well under a second), and `want` is at most how many there are.
     while len(problems) < want:
         draws += 1
         problem = make(rng)
-        key = normalise(problem.question)
-        if key in seen:
+        if problem.signature in seen:
             duplicates += 1
-            streak += 1
-            # A long run of repeats means the space is (nearly) used up.
-            if streak > 20_000:
-                raise DomainError(
-                    f"the {domain} generator ran out of distinct problems after {len(problems):,}; "
-                    f"ask for fewer than {train + test:,} train + test prompts"
-                )
             continue
-        streak = 0
-        seen.add(key)
+        seen.add(problem.signature)
         problems.append(problem)
     dev, held, rest = (
         problems[:DEV_PROMPTS],
@@ -184,12 +248,17 @@ def build_domain(domain: str, *, train: int, test: int, seed: int = 0) -> dict[s
 
 
 def _overlaps(rows: dict[str, list]) -> list[str]:
-    keys = {split: {normalise(r["prompt"]) for r in rows[split]} for split in ("train", "dev", "test")}
+    """Signatures in two splits, or repeated within one: the audit of the finished rows, before writing."""
     found = []
+    keys = {}
+    for split in ("train", "dev", "test"):
+        keys[split] = {r["signature"] for r in rows[split]}
+        if len(keys[split]) < len(rows[split]):
+            found.append(f"{len(rows[split]) - len(keys[split])} repeated signatures in {split}")
     for a, b in (("train", "dev"), ("train", "test"), ("dev", "test")):
         shared = keys[a] & keys[b]
         if shared:
-            found.append(f"{len(shared)} prompts in both {a} and {b}")
+            found.append(f"{len(shared)} signatures in both {a} and {b} (e.g. {min(shared)})")
     return found
 
 
@@ -220,8 +289,10 @@ def write_domain(
         "format": "DAPO-Math-17k rows: prompt + numeric label (Answer: last line)",
         "generated": stats["generated"],
         "duplicates_removed": stats["duplicates_removed"],
+        "distinct_problems": distinct_problems(domain),
+        "deduplication": "numeric signature (arithmetic: start and steps; sequence: the shown terms)",
         "splits": {"train": len(rows["train"]), "dev": len(rows["dev"]), "test": len(rows["test"])},
-        "audit": "no normalised prompt in two splits",
+        "audit": "no numeric signature in two splits",
         "files": files,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
