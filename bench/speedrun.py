@@ -228,9 +228,16 @@ def write_summary(results_dir: Path) -> Path:
     """Rewrite results_dir/speedrun-summary.md from every speedrun-w*-t*-*.json in it."""
     reports = [json.loads(p.read_text()) for p in sorted(results_dir.glob("speedrun-w*-t*-*.json"))]
     path = results_dir / "speedrun-summary.md"
-    text = (
-        render_results("speedrun-summary", summary_tables(reports)) if reports else "no speedrun runs yet\n"
-    )
+    # A derived file: every number is from a run's JSON, whose row names its commit and tree.
+    lines = [
+        "<!-- Written by bench/speedrun.py from the speedrun-w*-t*-*.json files beside it "
+        "(--summary-only rewrites it). -->",
+        "# speedrun summary",
+        "",
+        f"- runs: {len(reports)}; each row names the commit its run came from and whether its tree was clean",
+    ]
+    body = render_results("speedrun-summary", summary_tables(reports)).split("\n## ", 1)
+    text = "\n".join(lines) + ("\n\n## " + body[1] if len(body) > 1 else "\n") if reports else "no runs yet\n"
     path.write_text(text, encoding="utf-8")
     return path
 
@@ -322,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(report_path.read_text())
     out = args.results_dir
     name = run_name(report)
+    # The JSON's git state is taken before any results file is written (after, the new files would
+    # show as untracked and stamp a clean run dirty).
+    stamp = stamped(report)
     # write_results checks the checkout again: the report names the commit that ran.
     md = write_results(
         "speedrun",
@@ -330,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         out / f"{name}.md",
         dirty_ok=args.dirty_ok,
     )
-    (out / f"{name}.json").write_text(json.dumps(stamped(report), indent=2) + "\n", encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
     written = [md, out / f"{name}.json"]
     png = args.state.resolve() / "speedrun.png"
     if png.is_file():
