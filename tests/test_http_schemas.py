@@ -135,7 +135,16 @@ def test_worker_sampling_and_the_gold_bit_reach_the_worker_request_as_asked():
     )
     assert request_of(message) == rl
     assert request_of(coordinator_pb2.RunCoordinatorEpisodeRequest(question="q")).worker_gold is True
-    for bad in ({"top_p": 0}, {"top_p": 1.5}, {"temperature": -1}, {"top_k": 0}, {"min_p": 0.1}):
+    with pytest.raises(ValidationError):
+        EpisodeRequest.model_validate({**base, "worker_gold": 0})  # found by schemathesis: 0 is no bool
+    for bad in (
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"temperature": -1},
+        {"top_k": 0},
+        {"min_p": 0.1},
+        {"seed": 2**63},
+    ):
         with pytest.raises(ValidationError):
             EpisodeRequest.model_validate({**base, "worker_sampling": bad})
 

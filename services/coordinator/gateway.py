@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.kit.upstream import EndpointSpec
 from core.record_store import RecordExists, RecordStore, RecordStoreError, default_replica
@@ -88,10 +88,20 @@ class WorkerSampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=1, le=INT32_MAX)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    # Strict: true/false is no number (found by schemathesis). The seed is lax because gRPC's JSON
+    # mapping writes an int64 as a string; a boolean is refused by hand.
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False, strict=True)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, strict=True)
+    top_k: int | None = Field(None, ge=1, le=INT32_MAX, strict=True)
+    # Integers a JSON number holds exactly (2**53): above it a client's float parser rounds the bound.
+    seed: int | None = Field(None, ge=0, le=2**53 - 1)
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _no_bool_seed(cls, value: object) -> object:
+        if isinstance(value, bool):
+            raise ValueError("seed must be an integer, not a boolean")
+        return value
 
 
 class EpisodeRequest(BaseModel):
@@ -108,7 +118,7 @@ class EpisodeRequest(BaseModel):
     # The gold answer reaches the workers' no-search guard (FoldAgent's rule: a right answer given
     # before any search is bounced once; a wrong one voided). False: every search-free answer is
     # voided, and nothing of the gold answer reaches a worker. The record keeps the gold either way.
-    worker_gold: bool = True
+    worker_gold: bool = Field(True, strict=True)  # true or false, never 0/1 or "yes"
 
 
 class EndpointChange(BaseModel):
