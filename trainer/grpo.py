@@ -61,7 +61,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from core.budget import BudgetLimits
 from core.grading import RULE_VERSION, response_text, rule_answer, rule_contribution
-from core.records import EpisodeRecord, RecordError, WorkerRecord, load_lenient
+from core.records import EpisodeRecord, RecordError, load_lenient
 from trainer.advantages import EpisodeCredit, HierarchicalCredit, hierarchical_credit
 from trainer.attention import VARLEN
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -117,21 +117,16 @@ def final_response(record: EpisodeRecord) -> str:
     return response_text(record.answer, record.explanation, record.confidence)
 
 
-def worker_report(worker: WorkerRecord) -> str:
-    """A worker's report as the coordinator read it (`WorkerRecord.report_text`)."""
-    return worker.report_text()
-
-
 def rule_grades(record: EpisodeRecord) -> EpisodeGrades:
     """The rule grader (the embedded judge's backend): normalized exact or numeric answer match for
-    the reward; for each worker, decisive (1.0) if its report contains the gold answer, marginal if
-    it contains only the (wrong) final answer, none (0.0) otherwise."""
+    the reward; for each worker, its report as the coordinator read it (`WorkerRecord.report_text`)
+    graded by `core.grading.rule_contribution` on the report's answer field."""
     gold = str(record.gold_answer)
     verdict = rule_answer(final_response(record), gold, RULE_VERSION)
     contributions = {
         # keyed like trainer.data keys a worker trajectory
         worker.episode_id or f"#{i}": rule_contribution(
-            worker_report(worker), record.answer, gold, RULE_VERSION
+            worker.report_text(), record.answer, gold, RULE_VERSION
         ).score
         for i, worker in enumerate(record.workers)
         if worker.trajectory is not None
