@@ -11,23 +11,25 @@
 3. A 5-second closed-loop load test of the retrieval service (`bcstack loadtest retrieval`): its
    table, report.json and latency PNG.
 4. The episode viewer's URL for one recorded episode (the gateway's /ui).
-5. The stack again with the untrained tiny model as the worker, over the same 150 questions. An
-   untrained model writes until its budget runs out, and the tiny model decodes a few hundred
-   tokens per second per sequence on this CPU (the CPU engine batches 16), so this round runs
-   with a small worker budget and one branch per question: as many tokens as the expert's longest
-   trajectory (so a perfect model would fit), 8 turns; the output says so. It answers none of
-   them, so 10 questions of each tier show that as well as 50 would, in a fifth of the time
-   (`--sample-per-tier 50` for all 150).
-6. Both seed-001 tables, the paired comparison on the sampled questions, the PNGs, the
+5. The stack again with an untrained tiny model as the worker (one replica per core), over 10
+   questions of each tier, with the worker settings and budget the trained checkpoint below was
+   trained and evaluated with (the speedrun's: 8 turns, one branch, no gold answer to the worker).
+6. `bcstack worker reload` hot-reloads the trained tiny worker committed in demo/trained-tiny (the
+   RL model of a `make speedrun` run, verified against its SHA256SUMS before anything starts and
+   again by the reload) into the running workers, and the same questions run again. The weights
+   change, the tokenizer stays (as in SGLang), so the untrained kit is built with the
+   checkpoint's shape and tokenizer (bcstack.demo_checkpoint).
+7. The expert's seed-001 table, the trained model's paired with the untrained one, the PNGs, the
    /metrics URLs; then `bcstack down`.
 
-    python -m bcstack.demo [--state .bcstack-demo] [--sample-per-tier 10] [--tiny-max-tokens N]
+    python -m bcstack.demo [--state .bcstack-demo] [--sample-per-tier 10] [--replicas N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -39,13 +41,13 @@ from pathlib import Path
 
 import httpx
 
+from bcstack import demo_checkpoint
 from bcstack.coordinator_cli import SwapFailed, put_change, wait_for_replicas
+from bcstack.demo_checkpoint import DemoCheckpoint, build_untrained_kit
 from bcstack.evaluation.cli import run_with_progress
 from bcstack.evaluation.loaders import TIERS, EvalQuestion, load_questions
 from bcstack.evaluation.report import build_report, render_markdown, write_report
 from bcstack.stack import TOKEN_FILE, StackError, down, read_state, up
-from core import budget
-from trainer.data import longest_trajectory
 
 
 def sample(questions: list[EvalQuestion], per_tier: int) -> list[EvalQuestion]:
@@ -128,6 +130,32 @@ def run_files(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((out / "runs").rglob("*.json"))]
 
 
+def default_replicas() -> int:
+    """One tiny worker replica per core the process may use (the CPU engine decodes on one), at most 4."""
+    import os
+
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def reload_worker(state: Path, info: dict, trained: DemoCheckpoint) -> None:
+    """`bcstack worker reload` of the packaged checkpoint into every worker of the running stack.
+
+    The workers load only from inside their checkpoint root (STATE/train), so the checkpoint is
+    copied there first; the CLI verifies it again (SHA256SUMS, layout) before any replica reloads.
+    """
+    from bcstack.stack import TRAIN_DIR, base_name
+
+    target = state / TRAIN_DIR / trained.version
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(trained.folder, target)
+    workers = [s["http"] for name, s in info["services"].items() if base_name(name) == "worker"]
+    command = [sys.executable, "-m", "bcstack", "worker", "reload", "--checkpoint", str(target.resolve())]
+    command += ["--workers", ",".join(workers), "--weight-version", trained.version, "--timeout", "120"]
+    env = {**os.environ, "BCSTACK_ADMIN_TOKEN": (state / TOKEN_FILE).read_text().strip()}
+    if subprocess.run(command, env=env).returncode != 0:
+        raise StackError("the hot reload of demo/trained-tiny failed (its output is above)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -138,22 +166,37 @@ def main(argv: list[str] | None = None) -> int:
         "--sample-per-tier",
         type=int,
         default=10,
-        help="questions per tier for the untrained tiny model (50: all 150; it answers none, and each "
-        "takes about 9 s of the 2 cores)",
+        help="questions per tier for the untrained and the trained tiny model (50: all 150)",
     )
     parser.add_argument(
         "--tiny-max-tokens",
         type=int,
         default=None,
-        help="tiny worker's episode token budget (default: the expert's longest trajectory, rounded up "
-        "to 64)",
+        help="tiny worker's episode token budget (default: the one the trained checkpoint was trained and "
+        "evaluated with, its provenance.json's)",
     )
-    parser.add_argument("--tiny-max-turns", type=int, default=8, help="tiny worker's turns per episode")
+    parser.add_argument(
+        "--tiny-max-turns",
+        type=int,
+        default=None,
+        help="tiny worker's turns per episode (default: as trained)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=default_replicas(),
+        help="tiny worker replicas (default: one per core, at most 4)",
+    )
     parser.add_argument("--concurrency", type=int, default=16, help="episodes in flight")
     args = parser.parse_args(argv)
     state: Path = args.state
     t0 = time.monotonic()
-    results = {name: state / f"eval-{name}" for name in ("expert", "tiny")}
+    try:  # before anything starts: the checkpoint the demo reloads must be complete and untouched
+        trained = demo_checkpoint.load()
+    except demo_checkpoint.DemoCheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = {name: state / f"eval-{name}" for name in ("expert", "tiny", "trained")}
     backup: subprocess.Popen | None = None
     try:
         if (info := read_state(state)) is not None and info.get("services"):
@@ -162,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(path, ignore_errors=True)
 
         _stage(
-            "1/6 the stack with the scripted expert worker (builds the toy world, tiny model, indexes)", t0
+            "1/7 the stack with the scripted expert worker (builds the toy world, tiny model, indexes)", t0
         )
         info = up(state, worker="expert", docs=args.docs, questions_per_tier=50)
         questions = load_questions(state / "world" / "questions.jsonl")
@@ -170,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
         at = len(questions) // 3
         _stage(
-            f"2/6 evaluation: expert worker, all {len(questions)} test questions; after {at}, "
+            f"2/7 evaluation: expert worker, all {len(questions)} test questions; after {at}, "
             f"`bcstack coordinator swap {BACKUP}` moves the gateway to a second coordinator LLM",
             t0,
         )
@@ -211,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         print("swapped back to 'default' (a swap is stored: a gateway that restarts adopts it)")
         backup.terminate()
 
-        _stage("3/6 retrieval load test: 5 s closed loop, 8 in flight (bcstack loadtest retrieval)", t0)
+        _stage("3/7 retrieval load test: 5 s closed loop, 8 in flight (bcstack loadtest retrieval)", t0)
         loadtest = [sys.executable, "-m", "bcstack", "loadtest", "retrieval", "--url", urls["retrieval"]]
         loadtest += ["--concurrency", "8", "--duration", "5", "--quiet", "--out", str(state / "loadtest")]
         if subprocess.run(loadtest).returncode != 0:
             raise StackError("the retrieval load test failed (its output is above)")
 
-        _stage("4/6 the episode viewer", t0)
+        _stage("4/7 the episode viewer", t0)
         first = runs[0]
         print(
             f"episode {first['episode_id']} (question {first['query_id']}), turn by turn: "
@@ -227,10 +270,6 @@ def main(argv: list[str] | None = None) -> int:
             f"`bcstack episodes show {first['episode_id']} --state {state}` prints it)"
         )
         down(state, say=lambda s: None)
-        longest, _ = longest_trajectory(state / "records.sqlite")
-        if args.tiny_max_tokens is None:
-            # A perfect tiny model must fit: the budget is the expert's longest trajectory, not a guess.
-            args.tiny_max_tokens = -(-longest // 64) * 64
 
         picked = sample(questions, args.sample_per_tier)
         which = (
@@ -238,42 +277,58 @@ def main(argv: list[str] | None = None) -> int:
             if len(picked) == len(questions)
             else f"a sample of {len(picked)} questions (the first {args.sample_per_tier} of each tier)"
         )
+        tiny_budget = trained.budget
+        if args.tiny_max_tokens is not None:
+            tiny_budget["max_tokens"] = args.tiny_max_tokens
+        if args.tiny_max_turns is not None:
+            tiny_budget["max_turns"] = args.tiny_max_turns
         _stage(
-            f"5/6 evaluation: untrained tiny model, {which}; worker budget {args.tiny_max_tokens} tokens / "
-            f"{args.tiny_max_turns} turns and one branch per question, not seed 001's "
-            f"{budget.MAX_TOKENS:,} tokens / {budget.MAX_TURNS} turns: an untrained model spends its "
-            "whole budget, too slow for a CPU demo",
+            f"5/7 evaluation: untrained tiny model, {which}; worker budget {tiny_budget['max_tokens']} "
+            f"tokens / {tiny_budget['max_turns']} turns, one branch per question, no gold answer to the "
+            "worker (the speedrun's evaluation settings)",
             t0,
         )
-        info = up(state, worker="tiny")
+        kit = build_untrained_kit(trained, state / "tiny-kit")
+        info = up(
+            state, worker="tiny", kit=kit, worker_settings=trained.worker_settings, replicas=args.replicas
+        )
         urls = {name: s["http"] for name, s in info["services"].items()}
+        tiny_eval = dict(
+            concurrency=args.concurrency, overrides={"max_branches": 1}, budget=tiny_budget, worker_gold=False
+        )
         run_with_progress(
-            picked,
-            results["tiny"],
-            urls["coordinator"],
-            urls["judge"],
-            concurrency=args.concurrency,
-            overrides={"max_branches": 1},
-            budget={"max_tokens": args.tiny_max_tokens, "max_turns": args.tiny_max_turns},
-            label="tiny",
+            picked, results["tiny"], urls["coordinator"], urls["judge"], label="untrained", **tiny_eval
         )
 
-        _stage("6/6 results", t0)
+        _stage(
+            f"6/7 hot reload: `bcstack worker reload` puts the trained tiny worker ({trained.version}, "
+            "demo/trained-tiny) into the running workers; the same questions again",
+            t0,
+        )
+        print(f"demo/trained-tiny: {trained.describe()}")
+        reload_worker(state, info, trained)
+        run_with_progress(
+            picked, results["trained"], urls["coordinator"], urls["judge"], label="trained", **tiny_eval
+        )
+
+        _stage("7/7 results", t0)
         expert = build_report(results["expert"])
         write_report(expert, results["expert"], name="Scripted expert worker")
         print(render_markdown(expert, name="Scripted expert worker"))
-        tiny = build_report(results["tiny"], baseline_dir=results["expert"])
+        untrained = build_report(results["tiny"])
+        write_report(untrained, results["tiny"], name="Untrained tiny model")
+        tuned = build_report(results["trained"], baseline_dir=results["tiny"])
         write_report(
-            tiny, results["tiny"], name="Untrained tiny model", baseline_name="Scripted expert worker"
+            tuned, results["trained"], name="Trained tiny model", baseline_name="Untrained tiny model"
         )
         print(
-            f"\nThe untrained tiny model ({which}, budget {args.tiny_max_tokens} tokens), paired with the "
-            "expert on the same questions:\n"
+            f"\nThe trained tiny model ({which}), paired with the untrained one on the same questions "
+            "(same budget, same stack, weights swapped by the hot reload):\n"
         )
-        print(render_markdown(tiny, name="Untrained tiny model", baseline_name="Scripted expert worker"))
+        print(render_markdown(tuned, name="Trained tiny model", baseline_name="Untrained tiny model"))
         print(
-            f"\nPNG: {results['expert'] / 'report.png'}  and  {results['tiny'] / 'report.png'}; load test: "
-            f"{state / 'loadtest' / 'latency.png'}"
+            f"\nPNG: {results['expert'] / 'report.png'}  and  {results['trained'] / 'report.png'}; load "
+            f"test: {state / 'loadtest' / 'latency.png'}"
         )
         print("Metrics while the stack runs (Prometheus text):")
         for name, url in urls.items():

@@ -46,8 +46,10 @@ def _results_table(results: list[ReplicaResult], target: str | None) -> Table:
     table.add_column("state", no_wrap=True)
     table.add_column("weight_version", no_wrap=True)
     table.add_column("previous", no_wrap=True)
-    table.add_column("seconds")
-    table.add_column("error", overflow="fold")
+    table.add_column("seconds", no_wrap=True)
+    errors = any(result.error for result in results)
+    if errors:  # only then: an empty column would squeeze the others at 80 columns
+        table.add_column("error", overflow="fold")
     style = {"reloaded": "green", "failed": "red", "skipped": "yellow"}
     for result in results:
         table.add_row(
@@ -56,7 +58,7 @@ def _results_table(results: list[ReplicaResult], target: str | None) -> Table:
             result.weight_version or "?",
             result.previous_version or "",
             f"{result.seconds:.2f}" if result.seconds is not None else "",
-            result.error or "",
+            *([result.error or ""] if errors else []),
         )
     return table
 

@@ -51,7 +51,7 @@ def shown_text() -> str:
 def test_docs_demo_shows_every_stage_as_the_demo_prints_it() -> None:
     patterns = stage_patterns()
     shown = shown_stages(REPO / "docs" / "demo.md")
-    assert len(shown) == len(patterns) == 7, shown
+    assert len(shown) == len(patterns) == 8, shown
     for line, pattern in zip(shown, patterns, strict=True):
         assert pattern.fullmatch(line), f"docs/demo.md shows `== {line}`; the demo prints {pattern.pattern}"
     # The swap in the middle of the expert's evaluation lost nothing, as the run shown printed it.
