@@ -47,6 +47,7 @@ from bcstack.demo_checkpoint import DemoCheckpoint, build_untrained_kit
 from bcstack.evaluation.cli import run_with_progress
 from bcstack.evaluation.loaders import TIERS, EvalQuestion, load_questions
 from bcstack.evaluation.report import build_report, render_markdown, write_report
+from bcstack.speedrun import default_replicas
 from bcstack.stack import TOKEN_FILE, StackError, down, read_state, up
 
 
@@ -128,13 +129,6 @@ class MidwaySwap:
 def run_files(out: Path) -> list[dict]:
     """The evaluation's BrowseComp-Plus run files (one per question and round)."""
     return [json.loads(p.read_text()) for p in sorted((out / "runs").rglob("*.json"))]
-
-
-def default_replicas() -> int:
-    """One tiny worker replica per core the process may use (the CPU engine decodes on one), at most 4."""
-    import os
-
-    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def reload_worker(state: Path, info: dict, trained: DemoCheckpoint) -> None:
