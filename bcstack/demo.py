@@ -41,9 +41,8 @@ from pathlib import Path
 
 import httpx
 
-from bcstack import demo_checkpoint
 from bcstack.coordinator_cli import SwapFailed, put_change, wait_for_replicas
-from bcstack.demo_checkpoint import DemoCheckpoint, build_untrained_kit
+from bcstack.demo_checkpoint import DemoCheckpoint, DemoCheckpointError, build_untrained_kit, load
 from bcstack.evaluation.cli import run_with_progress
 from bcstack.evaluation.loaders import TIERS, EvalQuestion, load_questions
 from bcstack.evaluation.report import build_report, render_markdown, write_report
@@ -186,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     state: Path = args.state
     t0 = time.monotonic()
     try:  # before anything starts: the checkpoint the demo reloads must be complete and untouched
-        trained = demo_checkpoint.load()
-    except demo_checkpoint.DemoCheckpointError as e:
+        trained = load()
+    except DemoCheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     results = {name: state / f"eval-{name}" for name in ("expert", "tiny", "trained")}
