@@ -480,7 +480,7 @@ def plan(
                 str(tokenizer),
                 "--engine-url",
                 engine.http,
-                "--retrieval",
+                "--retrieval-address",
                 retrieval.grpc or "",
                 # `bcstack train rl --state` writes its exports under STATE/train; the worker reloads them.
                 "--checkpoint-root",
@@ -503,7 +503,7 @@ def plan(
         if records_url:
             gateway.env.update(gateway_env(records_url, gateway.name))
         gateway_replicas.append(gateway)
-    judge = svc("judge", ["--cache", str(state / "judge-cache.sqlite")])
+    judge = svc("judge", ["--cache-path", str(state / "judge-cache.sqlite")])
     return [retrieval, *pairs, llm, *gateway_replicas, judge]
 
 

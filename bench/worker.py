@@ -122,7 +122,7 @@ def main() -> None:
     retrieval += ["--port", str(p["r_http"]), "--grpc-port", str(p["r_grpc"])]
     engine = ["serve", "engine", "--policy", "expert", "--tokenizer", str(tiny), "--port", str(p["e_http"])]
     worker = ["serve", "worker", "--tokenizer", str(tiny), "--engine-url", f"http://127.0.0.1:{p['e_http']}"]
-    worker += ["--retrieval", f"127.0.0.1:{p['r_grpc']}", "--config", str(config)]
+    worker += ["--retrieval-address", f"127.0.0.1:{p['r_grpc']}", "--config", str(config)]
     worker += ["--port", str(p["w_http"]), "--grpc-port", str(p["w_grpc"])]
     health = "http://127.0.0.1:{}/health".format
     with (

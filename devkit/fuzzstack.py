@@ -102,14 +102,14 @@ def stack_layout(kit: Path, work: Path, free_port: Callable[[], int]) -> list[Fu
         ),
         FuzzProcess(
             "worker",
-            ["serve", "worker", "--tokenizer", tiny, "--engine-url", http("x"), "--retrieval", grpc("rg"),
-             "--checkpoint-root", str(work / "checkpoints"), "--port", str(port["w"]),
-             "--grpc-port", str(port["wg"])],
+            ["serve", "worker", "--tokenizer", tiny, "--engine-url", http("x"),
+             "--retrieval-address", grpc("rg"), "--checkpoint-root", str(work / "checkpoints"),
+             "--port", str(port["w"]), "--grpc-port", str(port["wg"])],
             http("w"), grpc("wg"), ("bcstack.v1.WorkerService",),
         ),
         FuzzProcess(
             "judge",
-            ["serve", "judge", "--cache", str(work / "judge-cache.sqlite"), "--port", str(port["j"]),
+            ["serve", "judge", "--cache-path", str(work / "judge-cache.sqlite"), "--port", str(port["j"]),
              "--grpc-port", str(port["jg"])],
             http("j"), grpc("jg"), ("bcstack.v1.JudgeService",),
         ),

@@ -116,6 +116,17 @@ def test_every_boolean_option_is_an_x_no_x_pair():
     assert bare == []
 
 
+def test_every_option_has_one_name():
+    """One name per idea: no option answers to two long names (`--records-path, --records`)."""
+    doubled = []
+    for path, command in _every_command():
+        for param in command.params:
+            for names in (getattr(param, "opts", []), getattr(param, "secondary_opts", [])):
+                if len([n for n in names if n.startswith("--")]) > 1:
+                    doubled.append(f"bcstack {' '.join(path)} {', '.join(names)}")
+    assert doubled == []
+
+
 def test_a_missing_arguments_error_names_every_missing_one():
     result = _in_process("train", "rl")
     assert result.returncode == 2
@@ -253,11 +264,10 @@ def _serve_settings() -> dict[str, type]:
     return {cls.service_name: cls for cls in classes}
 
 
-# Option names that predate the settings-derived ones; charts and tests pass them.
-LEGACY_OPTIONS = {
+# Settings whose option is named as the rest of the CLI names the idea, not after the setting:
+# one name each (every command that reads records says --records), never a second one.
+RENAMED_OPTIONS = {
     "coordinator": ("--records", "records_path"),
-    "judge": ("--cache", "cache_path"),
-    "worker": ("--retrieval", "retrieval_address"),
 }
 
 
@@ -295,9 +305,9 @@ def test_serve_help_lists_every_setting_with_its_env_var(service):
         field = name[2:].replace("-", "_")
         if field in cls.model_fields and cls.model_fields[field].annotation is bool:
             expected[flag_names(field)[1]] = expected[name]  # --x/--no-x, as every boolean
-    if service in LEGACY_OPTIONS:
-        option, field = LEGACY_OPTIONS[service]
-        expected[option] = env_var_name(cls, field)
+    if service in RENAMED_OPTIONS:
+        option, field = RENAMED_OPTIONS[service]
+        expected[option] = expected.pop("--" + field.replace("_", "-"))
     assert entries == {**expected, "--config": None, "--help": None}
     assert {"--host", "--port"} <= entries.keys()
     for name in secrets:

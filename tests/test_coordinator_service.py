@@ -81,7 +81,7 @@ def coordinator_llms(**specs: dict):
 
 def worker(stack, http: int, grpc_port: int, env: dict[str, str] | None = None):
     args = ["serve", "worker", "--tokenizer", str(stack["tmp"] / "tiny"), "--engine-url", stack["engine"]]
-    args += ["--retrieval", stack["retrieval"], "--port", str(http), "--grpc-port", str(grpc_port)]
+    args += ["--retrieval-address", stack["retrieval"], "--port", str(http), "--grpc-port", str(grpc_port)]
     return bcstack_process(args, _url(http, "/health"), env=env, forked=True)
 
 
@@ -135,7 +135,8 @@ def stack(tmp_path_factory, toy_kit):
 
     def worker_spec(http: int, grpc_port: int) -> tuple[list[str], str]:
         args = ["serve", "worker", "--tokenizer", str(tmp / "tiny"), "--engine-url", state["engine"]]
-        args += ["--retrieval", state["retrieval"], "--port", str(http), "--grpc-port", str(grpc_port)]
+        args += ["--retrieval-address", state["retrieval"]]
+        args += ["--port", str(http), "--grpc-port", str(grpc_port)]
         return args, _url(http, "/health")
 
     with contextlib.ExitStack() as es:

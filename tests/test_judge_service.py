@@ -252,7 +252,7 @@ def judge_process(tmp_path, *args: str, env: dict[str, str] | None = None):
         str(http),
         "--grpc-port",
         str(grpc_port),
-        "--cache",
+        "--cache-path",
         str(tmp_path / "c.db"),
     ]
     with bcstack_process([*cmd, *args], f"http://{LOOPBACK}:{http}/health", env=env) as proc:
@@ -402,7 +402,7 @@ def test_serve_judge_openai_without_a_url_is_a_clear_error(tmp_path):
             "openai",
             "--port",
             "0",
-            "--cache",
+            "--cache-path",
             str(tmp_path / "c"),
         ],
         capture_output=True,

@@ -346,7 +346,7 @@ def test_judge_parse_errors_exclude_episodes_and_a_dead_judge_stops_the_run(rl_s
         serving_uvicorn(server),
         bcstack_process(
             ["serve", "judge", "--backend", "openai", "--grader-url", f"http://127.0.0.1:{grader_port}/v1",
-             "--grader-model", "grader", "--cache", str(rl_stack["state"] / "garbage-judge.sqlite"),
+             "--grader-model", "grader", "--cache-path", str(rl_stack["state"] / "garbage-judge.sqlite"),
              "--port", str(judge_port)],
             f"http://127.0.0.1:{judge_port}/health",
         ),
@@ -431,7 +431,7 @@ def test_a_worker_replica_that_dies_costs_its_episodes_not_the_run(rl_stack: dic
     env = {"BCSTACK_ADMIN_TOKEN": token}
     second = bcstack_process(
         ["serve", "worker", "--tokenizer", str(rl_stack["tokenizer"]), "--engine-url", info["engine"]["http"],
-         "--retrieval", info["retrieval"]["grpc"], "--checkpoint-root", str(state / "train"),
+         "--retrieval-address", info["retrieval"]["grpc"], "--checkpoint-root", str(state / "train"),
          *setting_flags("worker", SETTINGS),
          "--port", str(http), "--grpc-port", str(grpc_port)],
         f"http://127.0.0.1:{http}/health", env=env,

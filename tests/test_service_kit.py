@@ -177,7 +177,7 @@ def _serve_kit(*args: str, served: list[KitSettings] | None = None) -> Result:
     app = typer.Typer(add_completion=False)
     command = serve_command(
         KitSettings, (served if served is not None else []).append, help="Serve the kit test.",
-        aliases={"batch_size": "--batch"}, omit=("metrics_port",),
+        names={"batch_size": "--batch"}, omit=("metrics_port",),
     )  # fmt: skip
     app.command(cls=ServeCommand)(command)
     return CliRunner().invoke(app, list(args))
@@ -188,18 +188,19 @@ def test_serve_command_options_are_the_settings() -> None:
     options = set(re.findall(r"^  (--[a-z-]+)", help_text, re.MULTILINE))
     secret_and_omitted = {"--admin-token", "--metrics-port"}
     expected = {"--" + name.replace("_", "-") for name in KitSettings.model_fields} - secret_and_omitted
-    assert options == expected | {"--config", "--help"}
-    assert "--batch " in help_text  # the alias
+    # batch_size is named --batch: one name, replacing the setting's, never a second one beside it
+    assert options == (expected - {"--batch-size"}) | {"--batch", "--config", "--help"}
+    assert "--batch-size" not in help_text
     env_vars = set(re.findall(r"BCSTACK_[A-Z_]+", help_text))
     assert env_vars == {env_var_name(KitSettings, name) for name in KitSettings.model_fields} - {
         "BCSTACK_KIT_TEST_METRICS_PORT"
     }
 
 
-def test_serve_command_refuses_a_second_name_for_a_boolean() -> None:
-    # A boolean setting is its --x/--no-x pair; an alias would make a second pair, so it is refused.
-    with pytest.raises(ValueError, match="no alias for boolean setting"):
-        serve_command(KitSettings, print, help="h", aliases={"log_json": "--json-logs"})
+def test_serve_command_refuses_another_name_for_a_boolean() -> None:
+    # A boolean setting is its --x/--no-x pair named after the setting, as every boolean of the CLI.
+    with pytest.raises(ValueError, match="no other name for boolean setting"):
+        serve_command(KitSettings, print, help="h", names={"log_json": "--json-logs"})
 
 
 def test_serve_command_option_beats_env_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,8 +220,9 @@ def test_serve_command_option_beats_env_beats_default(monkeypatch: pytest.Monkey
     assert _serve_kit(served=served).exit_code == 0 and served[0].log_json is True
     monkeypatch.delenv("BCSTACK_KIT_TEST_LOG_JSON")
     # Values are checked by the settings model, and the message names where the value came from.
-    bad = _serve_kit("--batch-size", "0")
-    assert bad.exit_code == 2 and "invalid option --batch-size" in bad.output
+    bad = _serve_kit("--batch", "0")  # named as it was typed, not after the setting
+    assert bad.exit_code == 2 and "invalid option --batch:" in bad.output, bad.output
+    assert _serve_kit("--batch-size", "8").exit_code == 2  # the setting's name is not a second one
     monkeypatch.setenv("BCSTACK_KIT_TEST_PORT", "eighty")
     bad = _serve_kit()
     assert bad.exit_code == 2 and "invalid environment variable BCSTACK_KIT_TEST_PORT" in bad.output

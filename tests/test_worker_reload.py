@@ -66,7 +66,7 @@ def stack(tmp_path_factory, toy_kit, tiny_kit):
                      f"http://127.0.0.1:{ports['r_http']}/health"),
                     (["serve", "worker", "--tokenizer", str(tmp / "a"),
                       "--engine-url", f"http://127.0.0.1:{ports['e_http']}",
-                      "--retrieval", f"127.0.0.1:{ports['r_grpc']}",
+                      "--retrieval-address", f"127.0.0.1:{ports['r_grpc']}",
                       "--port", str(ports["w_http"]), "--grpc-port", str(ports["w_grpc"])],
                      f"http://127.0.0.1:{ports['w_http']}/health",
                      {**env, "BCSTACK_WORKER_CHECKPOINT_ROOT": str(root)}),

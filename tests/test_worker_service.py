@@ -38,7 +38,7 @@ def stack(tmp_path_factory, toy_kit):
     ports = {name: find_free_port() for name in ("r_http", "r_grpc", "e_http", "t_http", "w_http", "w_grpc")}
     expert = ["serve", "engine", "--policy", "expert", "--tokenizer", str(tmp / "tiny")]
     worker = ["serve", "worker", "--tokenizer", str(tmp / "tiny"), "--engine-url",
-              f"http://127.0.0.1:{ports['e_http']}", "--retrieval", f"127.0.0.1:{ports['r_grpc']}",
+              f"http://127.0.0.1:{ports['e_http']}", "--retrieval-address", f"127.0.0.1:{ports['r_grpc']}",
               "--port", str(ports["w_http"]), "--grpc-port", str(ports["w_grpc"])]  # fmt: skip
     # Forked from the forkserver (stack_util): real processes that skip seconds of imports each;
     # `python -m bcstack serve worker` itself runs in the last test.
@@ -60,8 +60,8 @@ def stack(tmp_path_factory, toy_kit):
 
 
 def _worker(tiny, engine_url: str, retrieval: str, http: int, grpc_port: int, config=None):
-    args = ["serve", "worker", "--tokenizer", str(tiny), "--engine-url", engine_url, "--retrieval", retrieval]
-    args += ["--port", str(http), "--grpc-port", str(grpc_port)]
+    args = ["serve", "worker", "--tokenizer", str(tiny), "--engine-url", engine_url]
+    args += ["--retrieval-address", retrieval, "--port", str(http), "--grpc-port", str(grpc_port)]
     if config is not None:
         args += ["--config", str(config)]
     return bcstack_process(args, f"http://127.0.0.1:{http}/health", forked=True)

@@ -1,7 +1,7 @@
 """Helpers every `bcstack` command shares: one-line errors, settings loading, and `serve_command`.
 
 `serve_command(SettingsClass, run, help=...)` is each service's `bcstack serve X`: one option
-per setting (`records_path` -> `--records-path`) with the setting's description, default and
+per setting (`cache_path` -> `--cache-path`) with the setting's description, default and
 environment variable in `--help`, plus `--config FILE`; it loads the settings and calls
 `run(settings)`. Mount it with `app.command("x", cls=ServeCommand)`. It is written by hand
 because Typer has no pydantic-settings integration (a command's options come from a function
@@ -145,27 +145,28 @@ def serve_command(
     run: Callable[[S], None],
     *,
     help: str,
-    aliases: Mapping[str, str] | None = None,
+    names: Mapping[str, str] | None = None,
     omit: Collection[str] = (),
 ) -> Callable[..., None]:
     """The `bcstack serve <settings_cls.service_name>` command: options from the settings, then `run`.
 
     help: the command's help text (first line: the summary `bcstack serve --help` lists).
-    aliases: a second option name per setting, for command lines that predate the option names
-    following the settings (`{"records_path": "--records"}`).
+    names: the option's one name where the whole command line calls the idea something other than
+    the setting (`{"records_path": "--records"}`: every command that reads records says `--records`);
+    it replaces the setting's name, so one idea never has two options.
     omit: settings this service has no use for (`grpc_port` where it serves no gRPC); no option.
     Secrets get no option either: a command line is visible to every user of the machine (`ps`),
     so they come from the environment or `--config` only; the help names their variables.
     """
-    aliases = dict(aliases or {})
+    names = dict(names or {})
     fields = settings_cls.model_fields
-    unknown = (set(aliases) | set(omit)) - set(fields)
+    unknown = (set(names) | set(omit)) - set(fields)
     if unknown:
         raise ValueError(f"{settings_cls.__name__} has no setting(s) {', '.join(sorted(unknown))}")
-    flags = {name for name in aliases if _strip_optional(fields[name].annotation) is bool}
-    if flags:  # a boolean is its --x/--no-x pair (_flag); a second name would be a second pair
-        names = ", ".join(sorted(flags))
-        raise ValueError(f"{settings_cls.__name__}: no alias for boolean setting(s) {names}")
+    flags = {name for name in names if _strip_optional(fields[name].annotation) is bool}
+    if flags:  # a boolean is its --x/--no-x pair (_flag), named after the setting
+        listed = ", ".join(sorted(flags))
+        raise ValueError(f"{settings_cls.__name__}: no other name for boolean setting(s) {listed}")
     if "config" in fields:
         raise ValueError(f"{settings_cls.__name__}: a setting named 'config' would shadow --config")
     secrets = [name for name in fields if is_secret(settings_cls, name)]
@@ -179,13 +180,20 @@ def serve_command(
             try:
                 given[name] = json.loads(given[name])
             except json.JSONDecodeError as e:
-                fail(f"option --{_kebab(name)}: not JSON ({e.msg})")
-        run(load_or_fail(settings_cls, config, **given))
+                fail(f"option {names.get(name, '--' + _kebab(name))}: not JSON ({e.msg})")
+        try:
+            settings = load_settings(settings_cls, config_file=config, **given)
+        except SettingsError as e:
+            message = str(e)
+            for name, option in names.items():  # the error names the option as it was typed
+                message = message.replace(f"option --{_kebab(name)}:", f"option {option}:")
+            fail(message)
+        run(settings)
 
     config_option = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP)
     params = [
         inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
-        *(_option(settings_cls, name, aliases.get(name)) for name in options),
+        *(_option(settings_cls, name, names.get(name)) for name in options),
         inspect.Parameter(
             "config", inspect.Parameter.KEYWORD_ONLY, default=config_option, annotation=Path | None
         ),
@@ -198,11 +206,11 @@ def serve_command(
     return command
 
 
-def _option(cls: type[ServiceSettings], name: str, alias: str | None) -> inspect.Parameter:
+def _option(cls: type[ServiceSettings], name: str, option_name: str | None) -> inspect.Parameter:
     info = cls.model_fields[name]
     if _strip_optional(info.annotation) is bool:
         return _flag(cls, name, info)
-    decls = [f"--{_kebab(name)}"] + ([alias] if alias else [])
+    decls = [option_name or f"--{_kebab(name)}"]
     default = _default_text(info)
     option = typer.Option(
         # The shown default; never used as a value (a DEFAULT-sourced value is dropped).

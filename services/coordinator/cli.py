@@ -26,6 +26,6 @@ serve = serve_command(
     help="Run coordinator episodes: the coordinator LLM branches research to workers and finishes.\n\n"
     "The endpoint registry is `endpoints` (a YAML list in --config, or JSON) and/or the one-endpoint "
     "shorthand --coordinator-url / --coordinator-model, an endpoint named 'default'.",
-    aliases={"records_path": "--records"},
+    names={"records_path": "--records"},  # as every command that reads records calls it
     omit=("metrics_port",),
 )

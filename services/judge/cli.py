@@ -23,6 +23,5 @@ serve = serve_command(
     JudgeSettings,
     _run,
     help="Grade final answers (BrowseComp template) and worker contributions, with a cache.",
-    aliases={"cache_path": "--cache"},
     omit=("metrics_port",),
 )

@@ -21,6 +21,5 @@ serve = serve_command(
     WorkerSettings,
     _run,
     help="Run worker episodes (gRPC RunEpisode) against an SGLang-API engine and the retrieval service.",
-    aliases={"retrieval_address": "--retrieval"},
     omit=("metrics_port",),
 )
