@@ -202,7 +202,11 @@ def test_bad_requests_are_invalid_argument_and_the_service_keeps_serving(stack, 
 
 
 class _FakeEngine(BaseHTTPRequestHandler):
-    """An SGLang stand-in that fails: 500 on /generate, or hangs (mode set on the server)."""
+    """An SGLang stand-in that fails: 500 on /generate, or hangs (mode set on the server).
+
+    A hung request ends when the test's `with` block does: its thread must not outlive the test and
+    write, seconds later, a BrokenPipe traceback into whatever the xdist worker runs next (it broke
+    tests/test_loadtest.py's "no traceback" check, whose CliRunner captures the process's stderr)."""
 
     def do_GET(self):  # noqa: N802
         self.send_response(200)
@@ -211,13 +215,17 @@ class _FakeEngine(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         self.rfile.read(int(self.headers.get("content-length", 0)))
-        if self.server.mode == "hang":
-            time.sleep(self.server.hang_s)
+        if self.server.mode == "hang" and self.server.closing.wait(self.server.hang_s):
+            return  # the test is over: no answer to a client that has gone
         body = json.dumps({"error": {"message": "CUDA out of memory"}}).encode()
         self.send_response(500)
         self.send_header("content-type", "application/json")
         self.end_headers()
         self.wfile.write(body)
+
+    def handle(self):
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client that timed out
+            super().handle()
 
     def log_message(self, *args):
         pass
@@ -226,13 +234,17 @@ class _FakeEngine(BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def _fake_engine(mode: str, hang_s: float = 30.0):
     server = ThreadingHTTPServer(("127.0.0.1", find_free_port()), _FakeEngine)
-    server.mode, server.hang_s, server.daemon_threads = mode, hang_s, True
+    server.mode, server.hang_s, server.closing = mode, hang_s, threading.Event()
+    # not daemons, so server_close() joins the request threads (block_on_close): none outlives the test
+    server.daemon_threads = False
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
+        server.closing.set()
         server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize("mode", ["500", "hang"])
