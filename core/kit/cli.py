@@ -66,11 +66,18 @@ def need_model(option: str, path: Path | str) -> None:
         fail(f"{option} {path}: not a model folder (no config.json)")
 
 
-def load_or_fail(cls: type[S], config: Path | None, **overrides: Any) -> S:
+def load_or_fail(
+    cls: type[S], config: Path | None, option_names: Mapping[str, str] | None = None, **overrides: Any
+) -> S:
+    """The settings, or a one-line failure; `option_names` (setting -> option) names an option in
+    the error as the command calls it where that is not the setting's own name (`serve_command`)."""
     try:
         return load_settings(cls, config_file=config, **overrides)
     except SettingsError as e:
-        fail(str(e))
+        message = str(e)
+        for name, option in (option_names or {}).items():
+            message = message.replace(f"option --{_kebab(name)}:", f"option {option}:")
+        fail(message)
 
 
 class Command(TyperCommand):
@@ -181,14 +188,7 @@ def serve_command(
                 given[name] = json.loads(given[name])
             except json.JSONDecodeError as e:
                 fail(f"option {names.get(name, '--' + _kebab(name))}: not JSON ({e.msg})")
-        try:
-            settings = load_settings(settings_cls, config_file=config, **given)
-        except SettingsError as e:
-            message = str(e)
-            for name, option in names.items():  # the error names the option as it was typed
-                message = message.replace(f"option --{_kebab(name)}:", f"option {option}:")
-            fail(message)
-        run(settings)
+        run(load_or_fail(settings_cls, config, names, **given))
 
     config_option = typer.Option(None, "--config", metavar="FILE", help=CONFIG_HELP)
     params = [
