@@ -32,7 +32,7 @@ from conftest import wait_until
 
 from bcstack.stack import StackError, down, read_state, restart, up
 
-ROUNDS = 3
+ROUNDS = 2
 CONCURRENCY = 4
 KILL_ORDER = ("retrieval", "engine", "worker", "judge", "coordinator")
 
