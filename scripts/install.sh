@@ -40,6 +40,36 @@ apt_install() {  # the Debian packages of "$@" that are missing
   for service in prometheus postgresql haproxy; do $SUDO service "$service" stop >/dev/null 2>&1 || true; done
 }
 
+# Steps that do not depend on the Python packages (the Debian packages, checkov's environment) run
+# beside them: on a fresh 2-core machine that hides a minute of downloads and unpacking. Each one's
+# output is kept and printed when it ends; one that fails fails the install, and the script never
+# exits while one still runs (an apt-get cut short would leave dpkg half-configured).
+BESIDE_PIDS=()
+BESIDE_LOGS=()
+beside() {  # beside NAME COMMAND...: run COMMAND in the background
+  local log
+  log=$(mktemp)
+  echo "install: $1 (beside the Python packages)"
+  ("${@:2}") >"$log" 2>&1 &
+  BESIDE_PIDS+=($!)
+  BESIDE_LOGS+=("$log")
+}
+wait_beside() {
+  local i failed=0
+  for i in "${!BESIDE_PIDS[@]}"; do
+    if wait "${BESIDE_PIDS[$i]}"; then
+      cat "${BESIDE_LOGS[$i]}"
+    else
+      cat "${BESIDE_LOGS[$i]}" >&2
+      failed=1
+    fi
+    rm -f "${BESIDE_LOGS[$i]}"
+  done
+  BESIDE_PIDS=()
+  return "$failed"
+}
+trap 'wait' EXIT
+
 # 0. A Python to make the environment with: 3.11 or newer.
 if ! command -v "$BASE" >/dev/null; then
   echo "install: no $BASE on PATH; install Python 3.11 or newer (or set BASE_PYTHON)" >&2
@@ -66,8 +96,21 @@ fi
 # Chromium with selenium; prometheus: a real server scrapes our /metrics and promtool checks the
 # rules; postgresql: the gateways' shared record store (its tests start their own server with
 # initdb); haproxy: the front `bcstack up --gateways N` balances them with. The demo needs none.
+# And checkov, the IaC scanner the chart's presets are checked with (tests/test_chart_presets.py), goes in
+# an environment of its own under .cache/tools: its pins (packaging, networkx, ...) would otherwise
+# move this package's. Both run beside steps 3-6 (`beside`, above).
+CHECKOV_VERSION=3.3.30
+CHECKOV=.cache/tools/checkov
+install_checkov() {
+  echo "install: checkov==$CHECKOV_VERSION (in $CHECKOV)"
+  "$PY" -m venv "$CHECKOV"
+  "$CHECKOV/bin/pip" install --disable-pip-version-check -q "checkov==$CHECKOV_VERSION"
+}
 if [ "$FOR" = test ]; then
-  apt_install prometheus openssl chromium chromium-driver postgresql haproxy
+  beside "Debian packages for the tests" apt_install prometheus openssl chromium chromium-driver postgresql haproxy
+  if [ "$("$CHECKOV/bin/checkov" --version 2>/dev/null)" != "$CHECKOV_VERSION" ]; then
+    beside "checkov" install_checkov
+  fi
 fi
 
 # 3. torch first, the CPU build, before anything that depends on it.
@@ -95,15 +138,7 @@ if [ "$FOR" = test ]; then
   # 6. SGLang's wheels (the chart's pinned version and the newest release), for the contract tests:
   # downloaded once into .cache/sglang/<version>/ with `pip download --no-deps`, never installed.
   "$PY" -m devkit.sglang.source
-  # 7. checkov, the IaC scanner the chart's presets are checked with (tests/test_chart_presets.py),
-  # in an environment of its own under .cache/tools: its pins (packaging, networkx, ...) would
-  # otherwise move this package's.
-  CHECKOV_VERSION=3.3.30
-  CHECKOV=.cache/tools/checkov
-  if [ "$("$CHECKOV/bin/checkov" --version 2>/dev/null)" != "$CHECKOV_VERSION" ]; then
-    echo "install: checkov==$CHECKOV_VERSION (in $CHECKOV)"
-    "$PY" -m venv "$CHECKOV"
-    "$CHECKOV/bin/pip" install --disable-pip-version-check -q "checkov==$CHECKOV_VERSION"
-  fi
 fi
+# 7. What ran beside steps 3-6 (the Debian packages, checkov) has finished, and succeeded.
+wait_beside || { echo "install: a step run beside the Python packages failed (its output is above)" >&2; exit 1; }
 echo "install: done ($FOR, in $VENV)"

@@ -53,10 +53,13 @@ def test_the_demo_installs_no_debian_package_and_the_tests_do():
     assert "scripts/install.sh demo" in demo.stdout and "install.sh test" not in demo.stdout
     assert "scripts/install.sh test" in test.stdout
     script = (ROOT / "scripts" / "install.sh").read_text()
-    apt_calls = [line.strip() for line in script.splitlines() if line.strip().startswith("apt_install ")]
-    # The venv package where the base Python lacks venv's bootstrap, and the tests' packages under `test`.
+    apt_calls = [line.strip() for line in script.splitlines() if "apt_install " in line.strip()[:60]]
+    # The venv package where the base Python lacks venv's bootstrap, and the tests' packages under
+    # `test`, started beside the Python packages before them and waited for before the install is done.
     assert apt_calls[0].startswith('apt_install "python$(') and len(apt_calls) == 2
-    assert script.index('if [ "$FOR" = test ]; then\n  apt_install') < script.index("# 3. torch first")
+    tests_apt = 'if [ "$FOR" = test ]; then\n  beside "Debian packages for the tests" apt_install '
+    assert script.index(tests_apt) < script.index("# 3. torch first")
+    assert script.index("\nwait_beside ||") < script.index('echo "install: done')
 
 
 def _install(tmp_path: Path, base: str, *args: str) -> subprocess.CompletedProcess:
