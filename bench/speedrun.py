@@ -193,6 +193,7 @@ def summary_tables(reports: list[dict[str, Any]]) -> list[Table]:
             "clean" if not r.get("uncommitted_changes") else "DIRTY", *(acc[n] for n in STAGES),
             ("held: " if c["easy"]["held"] else "MISSED: ") + c["easy"]["text"],
             ("held: " if c["rl"]["held"] else "MISSED: ") + c["rl"]["text"],
+            (r.get("training_signal") or {}).get("sft_loss_last"),
         ])  # fmt: skip
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in runs:
@@ -211,9 +212,12 @@ def summary_tables(reports: list[dict[str, Any]]) -> list[Table]:
         Table(
             "Every run: accuracy per stage and the two checks",
             ["split", "world seed", "training seed", "commit", "tree", *(f"{n} %" for n in STAGES),
-             "SFT easy above untrained (Wilson 95%)", "SFT + RL above SFT (paired, McNemar p < 0.05)"],
+             "SFT easy above untrained (Wilson 95%)", "SFT + RL above SFT (paired, McNemar p < 0.05)",
+             "SFT loss, last 50 steps"],
             per_run,
-            notes=["Accuracy over (question, round) pairs of all three tiers; untrained: one round."],
+            notes=["Accuracy over (question, round) pairs of all three tiers; untrained: one round. "
+                   "SFT loss: the mean training loss of SFT's last 50 steps (report.json "
+                   "`training_signal`; — for a run made before the report recorded it)."],
         ),
         Table(
             "Per world: each stage's mean and spread over its runs",

@@ -106,6 +106,12 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     # From a model that has seen 4 copy steps, every SFT step lowers the loss (8.37, 8.29, 8.25 here):
     # a step that did not train (no gradient, a wrong mask, LR 0) would leave it at ~ln(vocabulary).
     assert sft[-1]["loss"] < sft[0]["loss"] - 0.05, [m["loss"] for m in sft]
+    # The report says how SFT fitted and how many RL groups had no advantage, from the runs' metrics.
+    signal = report["training_signal"]
+    assert signal["sft_steps"] == len(sft) and signal["sft_loss_window"] == 50
+    whole = round(sum(m["loss"] for m in sft) / len(sft), 4)  # fewer than 50 steps: both windows
+    assert signal["sft_loss_first"] == signal["sft_loss_last"] == whole
+    assert len(signal["rl_equal_reward_groups"]) == 1 and "Training signal: SFT loss" in out
     # One RL update through the stack after SFT, the workers reloaded to it (no dynamic sampling: a
     # group of two episodes of this barely trained model may well have equal rewards).
     rl = read_metrics(state / "stack" / "train" / "rl")
@@ -142,3 +148,20 @@ def test_rl_questions_are_a_seeded_set_of_easy_questions_sft_never_sees(tmp_path
     assert ids(sft_all) == ids(rows) and len(rl_all) == 20
     with pytest.raises(StackError, match="more than the world's 20 easy"):
         split_train(tmp_path, 21, {"easy"}, seed=0)
+
+
+def test_the_training_signal_reads_sfts_first_and_last_steps_and_rls_equal_reward_groups():
+    from bcstack.speedrun import render_table, training_signal
+
+    sft = [{"step": i, "loss": 5.0 if i < 50 else 1.0 if i < 70 else 0.1} for i in range(120)]
+    rl = [{"filtered_zero_variance": 22, "zero_variance_groups": 0}, {"filtered_zero_variance": 0,
+          "zero_variance_groups": 3}, {"update": 3}]  # fmt: skip
+    signal = training_signal(sft, rl)
+    assert signal == {"sft_steps": 120, "sft_loss_first": 5.0, "sft_loss_last": 0.1, "sft_loss_window": 50,
+                      "rl_equal_reward_groups": [22, 3, 0]}  # fmt: skip
+    report = {"stages": [], "paired": [], "training_signal": signal}
+    assert render_table(report).splitlines()[-1] == (
+        "Training signal: SFT loss 5.0000 over its first 50 steps, 0.1000 over its last (120 steps); "
+        "equal-reward groups per RL update: 22, 3, 0"
+    )
+    assert training_signal([], [])["sft_loss_last"] is None  # no SFT metrics: nothing to say
