@@ -29,7 +29,8 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
             the SFT (and RL) model for `--eval-rounds` rounds per question, the untrained one for one;
 6. rl       `bcstack train rl` from the SFT model on the `--rl-easy` questions (and the train questions
             of any other tier in `--rl-tiers`), the workers hot-reloaded after each update, for
-            `--rl-minutes`; then the RL model is evaluated the same way;
+            `--rl-minutes` (or `--rl-updates`, the minutes then a cap); then the RL model is evaluated
+            the same way;
 7. report   one table in seed 001's shape with three rows (untrained, SFT, SFT + RL), Wilson intervals,
             the paired comparisons (SFT vs untrained, RL vs SFT: improved/regressed, Δ pp with Newcombe's
             paired interval, exact McNemar p over (question, round) pairs, and with several rounds the
@@ -511,7 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     add("--sft-micro-batch-tokens", type=int, default=2048,
         help="packed micro-batch tokens (SFT and RL), at least the longest sample")  # fmt: skip
     add("--budget-factor", type=float, default=1.25, help="tiny worker budget: x the longest expert run")
-    add("--rl-minutes", type=float, default=12.0, help="wall minutes for RL updates")
+    add("--rl-minutes", type=float, default=12.0,
+        help="wall minutes for RL updates (with --rl-updates, only a cap)")  # fmt: skip
+    add("--rl-updates", type=int, default=0,
+        help="RL updates to train (0: as many as --rl-minutes allows); a budget in updates gives a "
+        "weaker SFT model, whose groups more often tie and are sampled again, as many as a "
+        "strong one")  # fmt: skip
     add("--rl-lr", type=float, default=3e-5,
         help="RL LR of the weight matrices (seed 000: 1e-6, for 4B; SFT here ends at 1e-4)")  # fmt: skip
     add("--rl-steps-per-update", type=int, default=4,
@@ -680,7 +686,11 @@ def main(argv: list[str] | None = None) -> int:
             worker_gold=args.eval_worker_gold,
         )  # fmt: skip
 
-        tl.stage("rl", f"bcstack train rl from the SFT model for {args.rl_minutes:g} minutes")
+        n = args.rl_updates
+        budget_words = f"{args.rl_minutes:g} minutes" if not n else (
+            f"{n} update{'s' if n != 1 else ''} (at most {args.rl_minutes:g} minutes)"
+        )  # fmt: skip
+        tl.stage("rl", f"bcstack train rl from the SFT model for {budget_words}")
         rl_out = state / "stack" / "train" / "rl"
         from trainer.sinks import read_metrics
 
@@ -695,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
                 _run([
                 "train", "rl", "--state", str(state / "stack"), "--questions", str(rl_questions),
                 "--model", str(sft_model), "--ref", str(sft_model), "--out", str(rl_out),
-                "--updates", "1000", "--max-minutes", f"{minutes_left:.4g}",
+                "--updates", str(args.rl_updates or 1000), "--max-minutes", f"{minutes_left:.4g}",
                 "--groups", str(args.rl_groups), "--group-size", str(args.rl_group_size),
                 "--max-policy-lag", str(args.rl_max_policy_lag), "--lr", str(args.rl_lr),
                 "--seed", str(args.train_seed),

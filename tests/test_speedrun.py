@@ -23,7 +23,8 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
          "--questions-per-tier", "1", "--train-easy", "12", "--rl-easy", "4", "--train-medium", "0",
          "--train-hard", "0",
          "--hidden-size", "32", "--layers", "1", "--copy-steps", "4", "--sft-epochs", "1", "--sft-batch", "4",
-         "--rl-minutes", "0.01", "--rl-groups", "1", "--rl-group-size", "2", "--concurrency", "4",
+         "--rl-updates", "1", "--rl-minutes", "5", "--rl-groups", "1", "--rl-group-size", "2",
+         "--concurrency", "4",
          "--eval-rounds", "2", "--no-rl-dynamic-sampling", "--replicas", "2", "--rl-steps-per-update", "2",
          "--final"],
         module="bcstack.speedrun", timeout=600,
@@ -116,6 +117,7 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     # group of two episodes of this barely trained model may well have equal rewards).
     rl = read_metrics(state / "stack" / "train" / "rl")
     assert [m["update"] for m in rl] == [1] and rl[0]["weight_version"] == "rl-u1"
+    assert "for 1 update (at most 5 minutes)" in out  # --rl-updates 1 stopped it, not the minutes
     # --rl-steps-per-update 2 on a one-group update: one mini-batch, so one step.
     assert rl[0]["optimizer_steps"] == 1
     # Every stack of the run had two worker replicas, and RL reloaded both.
