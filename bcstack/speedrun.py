@@ -6,7 +6,8 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
 1. world    one toy world (`--world-seed`) with a test split and a dev split (50 questions per tier each,
             page-disjoint from each other and from train) and a large train split
             (`--train-easy` plus medium and hard) whose questions read no page a test question reads,
-            and `--rl-easy` more easy questions kept for RL alone (SFT never sees them); the tiny kit
+            and `--rl-easy` more easy questions (and `--rl-medium` medium ones) kept for RL alone (SFT
+            never sees them); the tiny kit
             (its tokenizer is trained on the fixed toy text, so it serves any world, and keeps a year
             whole, `--number-digits`; the model is bigger than the demo's: `--hidden-size`,
             `--layers`); a lexical-only index (`--dense none`: the dense embedder is ~55 ms per
@@ -177,25 +178,35 @@ def _serve(
     return info
 
 
-def split_train(world: Path, rl_easy: int, rl_tiers: set[str], seed: int) -> tuple[list[dict], list[dict]]:
+def split_train(
+    world: Path, rl_held: dict[str, int], rl_tiers: set[str], seed: int
+) -> tuple[list[dict], list[dict]]:
     """The world's train split as (SFT questions, RL questions).
 
-    `rl_easy` easy questions, a seeded sample, are kept for RL alone: the expert never answers them and
-    SFT never sees them, so RL's groups are questions as new to the SFT model as the held-out ones (on
-    the questions SFT trained on, nearly every group is all correct and carries no signal). RL also
-    asks the SFT questions of the other tiers in `rl_tiers`.
+    For each tier in `rl_tiers` with a count in `rl_held` (`--rl-easy`, `--rl-medium`), that many of its
+    questions, a seeded sample, are kept for RL alone: the expert never answers them and SFT never sees
+    them, so RL's groups are questions as new to the SFT model as the held-out ones (on the questions
+    SFT trained on, nearly every group is all correct and carries no signal). A tier in `rl_tiers`
+    with no count held back is asked from SFT's own questions.
     """
     import random
 
     rows = [json.loads(line) for line in (world / "train.jsonl").read_text().splitlines() if line]
-    easy = [i for i, r in enumerate(rows) if tier_of(r["data_source"]) == "easy"]
-    if rl_easy > len(easy):
-        raise StackError(f"--rl-easy {rl_easy} is more than the world's {len(easy)} easy train questions")
-    held = set(random.Random(f"rl-easy:{seed}").sample(easy, rl_easy)) if "easy" in rl_tiers else set()
+    held: set[int] = set()
+    rl_only: set[str] = set()
+    for tier in sorted(rl_tiers):
+        count = rl_held.get(tier, 0)
+        if not count:
+            continue
+        pool = [i for i, r in enumerate(rows) if tier_of(r["data_source"]) == tier]
+        if count > len(pool):
+            raise StackError(
+                f"--rl-{tier} {count} is more than the world's {len(pool)} {tier} train questions"
+            )
+        held |= set(random.Random(f"rl-{tier}:{seed}").sample(pool, count))
+        rl_only.add(tier)
     sft = [r for i, r in enumerate(rows) if i not in held]
-    rl = [r for i, r in enumerate(rows) if i in held or (tier_of(r["data_source"]) in rl_tiers - {"easy"})]
-    if "easy" in rl_tiers and not rl_easy:
-        rl += [rows[i] for i in easy]  # no held-back pool: RL on the easy questions SFT trained on
+    rl = [r for i, r in enumerate(rows) if i in held or tier_of(r["data_source"]) in rl_tiers - rl_only]
     return sft, rl
 
 
@@ -223,7 +234,7 @@ def build_assets(state: Path, args: argparse.Namespace) -> dict[str, Path]:
             questions_per_tier=args.questions_per_tier,
             dev_per_tier=args.questions_per_tier,
             train_easy=args.train_easy + args.rl_easy,
-            train_medium=args.train_medium,
+            train_medium=args.train_medium + args.rl_medium,
             train_hard=args.train_hard,
         )
         write_world(made, world)
@@ -495,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         "per core (default: this machine's cores, at most 4)",
     )
     add("--train-medium", type=int, default=600, help="medium train questions (with 200, medium: 0 on dev)")
+    add("--rl-medium", type=int, default=0,
+        help="more medium train questions, kept for RL alone as --rl-easy's are (0: RL asks SFT's medium "
+        "questions, when --rl-tiers has medium)")  # fmt: skip
     add("--train-hard", type=int, default=50, help="hard train questions")
     add("--hidden-size", type=int, default=128, help="tiny model width")
     add("--layers", type=int, default=4, help="tiny model layers")
@@ -593,13 +607,15 @@ def main(argv: list[str] | None = None) -> int:
         test_questions = load_questions(held_file)
         print(f"   evaluating on the {split} split ({held_file.name})"
               + ("" if args.final else "; --final evaluates on test"), flush=True)  # fmt: skip
-        sft_rows, rl_rows = split_train(world, args.rl_easy, rl_tiers, args.world_seed)
+        sft_rows, rl_rows = split_train(
+            world, {"easy": args.rl_easy, "medium": args.rl_medium}, rl_tiers, args.world_seed
+        )
         sft_questions, rl_questions = state / "sft-questions.jsonl", state / "rl-questions.jsonl"
         for path, rows in ((sft_questions, sft_rows), (rl_questions, rl_rows)):
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         train_questions = load_questions(sft_questions)
         print(f"   {len(train_questions)} train questions for the expert and SFT, {len(rl_rows)} for RL "
-              f"({args.rl_easy} easy ones SFT never sees), "
+              f"({args.rl_easy} easy and {args.rl_medium} medium ones SFT never sees), "
               f"{len(test_questions)} held-out {split} questions")  # fmt: skip
 
         records = state / "expert-records.jsonl"

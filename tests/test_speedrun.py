@@ -124,7 +124,7 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     assert "runs 2 worker replicas" in out
 
 
-def test_rl_questions_are_a_seeded_set_of_easy_questions_sft_never_sees(tmp_path):
+def test_rl_questions_are_a_seeded_set_of_easy_and_medium_questions_sft_never_sees(tmp_path):
     import pytest
 
     from bcstack.speedrun import split_train
@@ -137,19 +137,28 @@ def test_rl_questions_are_a_seeded_set_of_easy_questions_sft_never_sees(tmp_path
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     ids = lambda qs: [q["query_id"] for q in qs]  # noqa: E731
 
-    sft, rl = split_train(tmp_path, 5, {"easy"}, seed=0)
+    sft, rl = split_train(tmp_path, {"easy": 5}, {"easy"}, seed=0)
     assert len(rl) == 5 and {q["data_source"] for q in rl} == {"bc_train_easy"}
     assert sorted(ids(sft) + ids(rl)) == sorted(ids(rows)) and not set(ids(sft)) & set(ids(rl))
-    assert split_train(tmp_path, 5, {"easy"}, seed=0) == (sft, rl)  # deterministic
-    assert ids(split_train(tmp_path, 5, {"easy"}, seed=1)[1]) != ids(rl)
+    assert split_train(tmp_path, {"easy": 5}, {"easy"}, seed=0) == (sft, rl)  # deterministic
+    assert ids(split_train(tmp_path, {"easy": 5}, {"easy"}, seed=1)[1]) != ids(rl)
     # Other tiers in --rl-tiers add their SFT questions; --rl-easy 0 is RL on SFT's easy questions.
-    _, with_medium = split_train(tmp_path, 5, {"easy", "medium"}, seed=0)
+    _, with_medium = split_train(tmp_path, {"easy": 5}, {"easy", "medium"}, seed=0)
     medium = [q["query_id"] for q in rows if q["data_source"] == "bc_train_meduim"]
     assert len(medium) == 3 and sorted(ids(with_medium)) == sorted(ids(rl) + medium)
-    sft_all, rl_all = split_train(tmp_path, 0, {"easy"}, seed=0)
+    sft_all, rl_all = split_train(tmp_path, {"easy": 0}, {"easy"}, seed=0)
     assert ids(sft_all) == ids(rows) and len(rl_all) == 20
     with pytest.raises(StackError, match="more than the world's 20 easy"):
-        split_train(tmp_path, 21, {"easy"}, seed=0)
+        split_train(tmp_path, {"easy": 21}, {"easy"}, seed=0)
+    # --rl-medium 2: two medium questions kept for RL alone, and RL no longer asks SFT's medium ones.
+    sft_m, rl_m = split_train(tmp_path, {"easy": 5, "medium": 2}, {"easy", "medium"}, seed=0)
+    held_medium = [q for q in rl_m if q["data_source"] == "bc_train_meduim"]
+    assert len(held_medium) == 2 and set(ids(held_medium)) < set(medium)
+    assert [q for q in rl_m if q["data_source"] == "bc_train_easy"] == rl  # easy's sample unchanged
+    assert sorted(ids(sft_m) + ids(rl_m)) == sorted(ids(rows)) and not set(ids(sft_m)) & set(ids(rl_m))
+    assert split_train(tmp_path, {"easy": 5, "medium": 2}, {"easy"}, seed=0) == (sft, rl)  # not an RL tier
+    with pytest.raises(StackError, match="--rl-medium 4 is more than the world's 3 medium"):
+        split_train(tmp_path, {"easy": 5, "medium": 4}, {"easy", "medium"}, seed=0)
 
 
 def test_the_training_signal_reads_sfts_first_and_last_steps_and_rls_equal_reward_groups():
