@@ -28,10 +28,10 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
             made on dev first),
             under one worker budget sized from the expert's trajectories (`--budget-factor` x the longest);
             the SFT (and RL) model for `--eval-rounds` rounds per question, the untrained one for one;
-6. rl       `bcstack train rl` from the SFT model on the `--rl-easy` questions (and the train questions
-            of any other tier in `--rl-tiers`), the workers hot-reloaded after each update, for
-            `--rl-minutes` (or `--rl-updates`, the minutes then a cap); then the RL model is evaluated
-            the same way;
+6. rl       `bcstack train rl` from the SFT model on the `--rl-easy` questions (the `--rl-medium` ones,
+            and SFT's train questions of any other tier in `--rl-tiers`), the workers hot-reloaded after
+            each update, for `--rl-minutes` (or `--rl-updates`, the minutes then a cap); then the RL
+            model is evaluated the same way;
 7. report   one table in seed 001's shape with three rows (untrained, SFT, SFT + RL), Wilson intervals,
             the paired comparisons (SFT vs untrained, RL vs SFT: improved/regressed, Δ pp with Newcombe's
             paired interval, exact McNemar p over (question, round) pairs, and with several rounds the
