@@ -583,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.eval_rounds < 1:
         parser.error("--eval-rounds must be at least 1")
+    for name in ("train_easy", "rl_easy", "train_medium", "rl_medium", "train_hard", "rl_updates"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 or more: {getattr(args, name)}")
     rl_tiers = {t.strip() for t in args.rl_tiers.split(",") if t.strip()}
     if not rl_tiers or rl_tiers - set(TIERS):
         parser.error(f"--rl-tiers takes a comma-separated subset of {', '.join(TIERS)}: {args.rl_tiers!r}")

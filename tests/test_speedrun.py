@@ -176,3 +176,15 @@ def test_the_training_signal_reads_sfts_first_and_last_steps_and_rls_equal_rewar
         "equal-reward groups per RL update: 22, 3, 0"
     )
     assert training_signal([], [])["sft_loss_last"] is None  # no SFT metrics: nothing to say
+
+
+def test_a_negative_question_count_or_update_budget_is_refused_in_one_line(capsys):
+    import pytest
+
+    from bcstack.speedrun import main
+
+    for option in ("--rl-medium", "--rl-updates", "--train-hard"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([option, "-1"])
+        assert exit_info.value.code == 2
+        assert f"{option} must be 0 or more: -1" in capsys.readouterr().err
