@@ -132,7 +132,9 @@ def assert_succeeded(outcome: BranchOutcome) -> None:
 
 
 def test_thirty_concurrent_branches_spread_evenly_over_three_replicas():
-    workers = [ScriptedWorker(name, delay=0.3) for name in ("a", "b", "c")]
+    # Each call holds its replica 1 s, so all 30 overlap on the servers even when the suite's load
+    # delays the last ones' arrival (at 0.3 s the suite once saw 8 in flight per server, not 10).
+    workers = [ScriptedWorker(name, delay=1.0) for name in ("a", "b", "c")]
     servers = [WorkerServer(worker) for worker in workers]
     names = {server.address: server.worker.name for server in servers}
     pool = WorkerPool([s.address for s in servers])  # outside any event loop: channels come later
