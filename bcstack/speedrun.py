@@ -610,15 +610,14 @@ def main(argv: list[str] | None = None) -> int:
         test_questions = load_questions(held_file)
         print(f"   evaluating on the {split} split ({held_file.name})"
               + ("" if args.final else "; --final evaluates on test"), flush=True)  # fmt: skip
-        sft_rows, rl_rows = split_train(
-            world, {"easy": args.rl_easy, "medium": args.rl_medium}, rl_tiers, args.world_seed
-        )
+        rl_held = {t: n for t, n in {"easy": args.rl_easy, "medium": args.rl_medium}.items() if t in rl_tiers}
+        sft_rows, rl_rows = split_train(world, rl_held, rl_tiers, args.world_seed)
         sft_questions, rl_questions = state / "sft-questions.jsonl", state / "rl-questions.jsonl"
         for path, rows in ((sft_questions, sft_rows), (rl_questions, rl_rows)):
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         train_questions = load_questions(sft_questions)
         print(f"   {len(train_questions)} train questions for the expert and SFT, {len(rl_rows)} for RL "
-              f"({args.rl_easy} easy and {args.rl_medium} medium ones SFT never sees), "
+              f"({rl_held.get('easy', 0)} easy and {rl_held.get('medium', 0)} medium ones SFT never sees), "
               f"{len(test_questions)} held-out {split} questions")  # fmt: skip
 
         records = state / "expert-records.jsonl"
