@@ -47,7 +47,7 @@ from bcstack.evaluation.cli import run_with_progress
 from bcstack.evaluation.loaders import TIERS, EvalQuestion, load_questions
 from bcstack.evaluation.report import build_report, render_markdown, write_report
 from bcstack.speedrun import default_replicas
-from bcstack.stack import TOKEN_FILE, StackError, down, read_state, up
+from bcstack.stack import TOKEN_FILE, StackError, down, read_state, sigterm_runs_finally, up
 
 
 def sample(questions: list[EvalQuestion], per_tier: int) -> list[EvalQuestion]:
@@ -150,6 +150,12 @@ def reload_worker(state: Path, info: dict, trained: DemoCheckpoint) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (kill, timeout, a scheduler) stops the demo's stack as Ctrl-C does
+    with sigterm_runs_finally():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -67,7 +67,7 @@ from typing import Any
 from bcstack.evaluation.cli import run_with_progress
 from bcstack.evaluation.loaders import load_questions, tier_of
 from bcstack.evaluation.report import TIERS, question_level_line
-from bcstack.stack import StackError, down, read_state, up
+from bcstack.stack import StackError, down, read_state, sigterm_runs_finally, up
 from trainer.data import longest_trajectory
 
 # Observations small enough for a CPU run, and a per-turn cap: every one a worker setting
@@ -474,6 +474,12 @@ def plot(summary: dict, rl_metrics: list[dict], path: Path) -> None:  # noqa: PL
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (kill, timeout, a scheduler) stops the speedrun's stack as Ctrl-C does
+    with sigterm_runs_finally():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

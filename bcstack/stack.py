@@ -743,6 +743,29 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
+@contextlib.contextmanager
+def sigterm_runs_finally():
+    """While active, SIGTERM raises SystemExit(143) in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, so the `finally` that stops a command's stack runs. Python's default SIGTERM
+    ends the process at once, without it: a speedrun or demo stopped by `kill`, `timeout` or a job
+    scheduler left its services running. Outside the main thread (no handler can be set) it does
+    nothing; the previous handler comes back on exit."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def down(state: Path, *, say: Callable[[str], None] = print) -> int:
     """Stop the stack started from `state`; the number of services stopped."""
     state = state.resolve()
