@@ -41,7 +41,7 @@ demo: install  ## the main job on embedded defaults
 # $(SPEEDRUN_ARGS), e.g. "--world-seed 1 --train-seed 2", and files its report in
 # bench/results/speedrun-w{world}-t{training}-test.{md,json,png} and speedrun-summary.md; from a
 # checkout with uncommitted changes it refuses unless SPEEDRUN_ARGS has --dirty-ok.
-speedrun: install  ## the CPU learning proof: untrained -> SFT -> RL on held-out questions (~45 min)
+speedrun: install  ## the CPU learning proof: untrained -> SFT -> RL on held-out questions (~1 hour)
 	$(PYTHON) bench/speedrun.py --final $(SPEEDRUN_ARGS)
 
 test: install-test  ## the whole test suite

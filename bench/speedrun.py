@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary_only:
         print(f"results: {write_summary(args.results_dir)}")
         return 0
-    require_clean_tree("speedrun", args.dirty_ok)  # before the ~45 minutes, not after them
+    require_clean_tree("speedrun", args.dirty_ok)  # before the hour, not after it
     if not args.dirty_ok and dirties_checkout(args.state):
         parser.error(
             f"--state {args.state} is inside the checkout and not git-ignored: the run would dirty the "

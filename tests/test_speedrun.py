@@ -1,6 +1,6 @@
 """`make speedrun`'s short version: every stage of bcstack/speedrun.py through the live stack on a
 world of a few questions — expert collection, gate rows, the copy stage, SFT, three evaluations and
-one RL update after SFT — and the report it writes. The full run (45 minutes) is a command, not a test;
+one RL update after SFT — and the report it writes. The full run (about an hour) is a command, not a test;
 here SFT's loss falling is the sign that training trained.
 
 The speedrun is a process forked from one that has imported it (tests/stack_util.py `bcstack_forked`);
