@@ -14,8 +14,9 @@ seed, training seed and split (RUN = speedrun-w{world}-t{training}-{test|dev}):
   with questions as the units when there were several rounds, each stage's seconds, and the RL run;
 - bench/results/RUN.json: report.json itself, with the commit, machine, date and command added;
 - bench/results/RUN.png: the speedrun's plot;
-- bench/results/speedrun-summary.md, rewritten from every RUN.json there: per world and split, each
-  stage's mean accuracy and spread over the runs, and per run the two checks the speedrun must pass
+- bench/results/speedrun-summary.md, rewritten from every RUN.json there: per world, split and recipe
+  (the training options that differ between runs, from the report's arguments), each stage's mean
+  accuracy and spread over the runs, and per run its recipe and the two checks the speedrun must pass
   (SFT's easy Wilson interval above the untrained model's; SFT + RL above SFT, exact McNemar
   p < 0.05), a miss printed as a miss. `--summary-only` rewrites it without running anything.
 
@@ -176,8 +177,32 @@ def checks(report: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def recipe(report: dict[str, Any]) -> str:
+    """The training recipe a run used, from its report's arguments: what separates runs of one world.
+
+    "SFT 4.5 passes; RL 18 updates (30 min cap), LR 3e-05, gains x 1" -- a run made before
+    `--rl-updates` existed had a time budget alone ("RL 12 min"). Negative advantages and the RL
+    tiers are named only when they differ from the defaults (x 0; easy,medium).
+    """
+    a = (report.get("settings") or {}).get("args") or {}
+    if not a:
+        return "—"
+    updates, minutes = a.get("rl_updates"), a.get("rl_minutes")
+    budget = f"{float(minutes or 0):g} min"
+    rl = f"{updates} updates ({budget} cap)" if updates not in (None, "None", "", "0") else budget
+    text = (
+        f"SFT {a.get('sft_epochs', '?')} passes; RL {rl}, LR {a.get('rl_lr', '?')}, "
+        f"gains x {float(a.get('rl_vector_lr_scale', 1)):g}"
+    )
+    if float(a.get("rl_negative_advantage_scale", 0) or 0):
+        text += f", negative advantages x {float(a['rl_negative_advantage_scale']):g}"
+    if a.get("rl_tiers", "easy,medium") != "easy,medium":
+        text += f", RL on {a['rl_tiers']}"
+    return text
+
+
 def summary_tables(reports: list[dict[str, Any]]) -> list[Table]:
-    """speedrun-summary.md: per run its numbers and checks; per world and split, mean and spread."""
+    """speedrun-summary.md: per run its numbers and checks; per world, split and recipe, mean and spread."""
     runs = sorted(
         reports, key=lambda r: (r.get("split", "test"), r.get("world_seed", 0), r.get("train_seed", 0))
     )
@@ -190,28 +215,29 @@ def summary_tables(reports: list[dict[str, Any]]) -> list[Table]:
         per_run.append([
             r.get("split", "test"), r.get("world_seed", 0), r.get("train_seed", 0),
             str(r.get("commit", "?"))[:10],
-            "clean" if not r.get("uncommitted_changes") else "DIRTY", *(acc[n] for n in STAGES),
+            "clean" if not r.get("uncommitted_changes") else "DIRTY", recipe(r), *(acc[n] for n in STAGES),
             ("held: " if c["easy"]["held"] else "MISSED: ") + c["easy"]["text"],
             ("held: " if c["rl"]["held"] else "MISSED: ") + c["rl"]["text"],
             (r.get("training_signal") or {}).get("sft_loss_last"),
         ])  # fmt: skip
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    # A world's spread is over runs of one recipe: runs of two recipes are two groups.
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault((r.get("split", "test"), r.get("world_seed", 0)), []).append(r)
+        groups.setdefault((r.get("split", "test"), r.get("world_seed", 0), recipe(r)), []).append(r)
     spread = []
-    for (split, world), members in groups.items():
+    for (split, world, how), members in groups.items():
         for name in STAGES:
             accs = [
                 100 * s["correct"] / s["total"] for r in members for s in r["stages"] if s["name"] == name
             ]
             sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
             spread.append(
-                [split, world, len(members), name, statistics.fmean(accs), sd, min(accs), max(accs)]
+                [split, world, how, len(members), name, statistics.fmean(accs), sd, min(accs), max(accs)]
             )
     return [
         Table(
             "Every run: accuracy per stage and the two checks",
-            ["split", "world seed", "training seed", "commit", "tree", *(f"{n} %" for n in STAGES),
+            ["split", "world seed", "training seed", "commit", "tree", "recipe", *(f"{n} %" for n in STAGES),
              "SFT easy above untrained (Wilson 95%)", "SFT + RL above SFT (paired, McNemar p < 0.05)",
              "SFT loss, last 50 steps"],
             per_run,
@@ -220,10 +246,11 @@ def summary_tables(reports: list[dict[str, Any]]) -> list[Table]:
                    "`training_signal`; — for a run made before the report recorded it)."],
         ),
         Table(
-            "Per world: each stage's mean and spread over its runs",
-            ["split", "world seed", "runs", "stage", "mean %", "sd pp", "min %", "max %"],
+            "Per world and recipe: each stage's mean and spread over its runs",
+            ["split", "world seed", "recipe", "runs", "stage", "mean %", "sd pp", "min %", "max %"],
             spread,
-            notes=["sd: sample standard deviation over the runs (training seeds) of a world; — for one."],
+            notes=["sd: sample standard deviation over the runs (training seeds) of one world and recipe; "
+                   "— for one."],
         ),
     ]  # fmt: skip
 

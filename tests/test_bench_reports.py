@@ -162,12 +162,40 @@ def test_the_summary_gives_each_worlds_spread_and_prints_a_missed_check_as_misse
     assert all(r[-3].startswith("held: SFT easy 92/150") for r in runs)
     assert [r[-2].split(":")[0] for r in runs] == ["held", "held", "MISSED", "held"]
     assert [r[-1] for r in runs] == ["—", "0.1313", "—", "—"]  # SFT's loss over its last 50 steps
-    spread = {(r[1], r[3]): r for r in _table(text, "Per world: each stage's mean and spread over its runs")}
+    spread = {
+        (r[1], r[4]): r
+        for r in _table(text, "Per world and recipe: each stage's mean and spread over its runs")
+    }
     rl = spread[("1", "SFT + RL")]
     accs = [100 * (92 + i - 6) / 450 for i in (22, 22, 8)]
-    assert int(rl[2]) == 3 and float(rl[4]) == pytest.approx(statistics.fmean(accs), abs=0.01)
-    assert float(rl[5]) == pytest.approx(statistics.stdev(accs), abs=0.01)
-    assert spread[("2", "SFT")][5] == "—"  # one run: no spread to give
+    assert int(rl[3]) == 3 and float(rl[5]) == pytest.approx(statistics.fmean(accs), abs=0.01)
+    assert float(rl[6]) == pytest.approx(statistics.stdev(accs), abs=0.01)
+    assert spread[("2", "SFT")][6] == "—"  # one run: no spread to give
+
+
+def test_the_summary_keeps_runs_of_two_recipes_on_one_world_apart(tmp_path):
+    speedrun = _bench("speedrun")
+    old = {
+        "sft_epochs": "2.75",
+        "rl_updates": "None",
+        "rl_minutes": "12.0",
+        "rl_lr": "3e-05",
+        "rl_vector_lr_scale": "300.0",
+        "rl_negative_advantage_scale": "0.0",
+        "rl_tiers": "easy,medium",
+    }
+    new = {**old, "sft_epochs": "4.5", "rl_updates": "18", "rl_minutes": "30.0", "rl_vector_lr_scale": "1.0"}
+    for seed, args in ((0, old), (1, old), (2, new)):
+        report = _run(3, seed, 22 if seed else 8)
+        report["settings"] = {**report["settings"], "args": args}
+        (tmp_path / f"{speedrun.run_name(report)}.json").write_text(json.dumps(report))
+    text = speedrun.write_summary(tmp_path).read_text()
+    recipes = [r[5] for r in _table(text, "Every run: accuracy per stage and the two checks")]
+    assert recipes[:2] == ["SFT 2.75 passes; RL 12 min, LR 3e-05, gains x 300"] * 2
+    assert recipes[2] == "SFT 4.5 passes; RL 18 updates (30 min cap), LR 3e-05, gains x 1"
+    spread = _table(text, "Per world and recipe: each stage's mean and spread over its runs")
+    groups = {(r[2], r[4]): int(r[3]) for r in spread}
+    assert groups[(recipes[0], "SFT + RL")] == 2 and groups[(recipes[2], "SFT + RL")] == 1
 
 
 def test_the_rl_variants_read_dev_and_test_only_with_final(tmp_path):
