@@ -2,7 +2,7 @@
 
     python bench/gateway_scale.py [--writers 256] [--store-seconds 10] [--concurrency 256]
                                   [--duration 15] [--replicas 1,2,4] [--disk-iops 1000]
-                                  [--results FILE] [--dirty-ok]
+                                  [--stores-only | --gateways-only] [--results FILE] [--dirty-ok]
 
 Two parts, each comparing its variants side by side in one run:
 
@@ -20,6 +20,10 @@ Two parts, each comparing its variants side by side in one run:
    the instant stub worker of `devkit.stubworker`, Debian's PostgreSQL, HAProxy in front of several
    replicas): `--concurrency` closed-loop clients for `--duration` seconds, the same episode mix:
    one gateway on SQLite, one on PostgreSQL, then 1, 2 and 4 replicas on PostgreSQL behind HAProxy.
+   `--concurrency 32,256` runs every variant at each load in turn (ratios against one PostgreSQL
+   replica at the same load): on shared cores a lighter load leaves a core idle part of the time,
+   so the kernel preempts the gateways less and their CPU per turn is closer to what a replica with
+   its own core would cost.
    Episodes/s, client latency p50/p99, every gateway process's CPU (user + system from /proc) per
    coordinator turn, that CPU relative to one replica's, the gateways' context switches per turn
    and a replica's CPU when idle.
@@ -281,9 +285,17 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def gateway_run(
-    work: Path, label: str, ports: dict, records: dict[str, str], n: int, args, *, named: bool = False
+    work: Path,
+    label: str,
+    ports: dict,
+    records: dict[str, str],
+    n: int,
+    args,
+    concurrency: int,
+    *,
+    named: bool = False,
 ) -> dict:
-    gateways = [start_gateway(work, f"{label}-{i + 1}", ports, records, args.concurrency) for i in range(n)]
+    gateways = [start_gateway(work, f"{label}-{i + 1}", ports, records, concurrency) for i in range(n)]
     front = None
     try:
         url = gateways[0]["url"]
@@ -296,10 +308,10 @@ def gateway_run(
         idle0 = [cpu_seconds(g["proc"].pid) for g in gateways]
         time.sleep(IDLE_SECONDS)
         idle = [cpu_seconds(g["proc"].pid) - c for g, c in zip(gateways, idle0, strict=True)]
-        asyncio.run(drive(url, args.concurrency, 2.0, named=named))  # warm-up: connections, pools, records
+        asyncio.run(drive(url, concurrency, 2.0, named=named))  # warm-up: connections, pools, records
         cpu0 = [cpu_seconds(g["proc"].pid) for g in gateways]
         switches0 = [context_switches(g["proc"].pid) for g in gateways]
-        run = asyncio.run(drive(url, args.concurrency, args.duration, named=named))
+        run = asyncio.run(drive(url, concurrency, args.duration, named=named))
         cpu1 = [cpu_seconds(g["proc"].pid) for g in gateways]
         switches1 = [context_switches(g["proc"].pid) for g in gateways]
         run.pop("episode_ids")
@@ -330,7 +342,9 @@ def main() -> None:
         help="part 1 again with the disk's write IOPS capped at this (a network volume; needs root and "
         "cgroup blkio throttling; 0 skips it)",
     )  # fmt: skip
-    parser.add_argument("--concurrency", type=int, default=256, help="episodes in flight, part 2")
+    parser.add_argument(
+        "--concurrency", default="256", help="episodes in flight, part 2; a comma list runs each load in turn"
+    )
     parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per gateway variant")
     parser.add_argument("--replicas", default="1,2,4", help="gateway replicas on PostgreSQL")
     parser.add_argument(
@@ -339,10 +353,30 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=None, help="results file (default bench/results/)")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
     parser.add_argument("--dirty-ok", action="store_true", help="write results from uncommitted changes")
-    parser.add_argument("--stores-only", action="store_true", help="part 1 only (no gateways)")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--stores-only", action="store_true", help="part 1 only (no gateways)")
+    only.add_argument("--gateways-only", action="store_true", help="part 2 only (no store variants)")
     args = parser.parse_args()
+    try:
+        loads = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--concurrency takes whole numbers separated by commas: {args.concurrency!r}")
+    if not loads or min(loads) < 1:
+        parser.error(f"--concurrency takes whole numbers of at least 1: {args.concurrency!r}")
     replicas = [int(x) for x in args.replicas.split(",")]
     named_replicas = [int(x) for x in args.named.split(",") if x]
+
+    def load_variants(server, databases, sqlite_env: dict[str, str]) -> list[tuple[str, int, dict[str, str]]]:
+        """One load's variants: (label, replicas, records env), each PostgreSQL one its own database."""
+
+        def postgres() -> dict[str, str]:
+            return {"BCSTACK_COORDINATOR_RECORDS_URL": new_database(server, f"bench{next(databases)}")}
+
+        return [
+            ("1 gateway, SQLite", 1, sqlite_env),
+            *((f"{n} gateway(s), PostgreSQL", n, postgres()) for n in replicas),
+            *((f"{n} gateway(s), PostgreSQL, named ids", n, postgres()) for n in named_replicas),
+        ]
 
     print("gateway_scale: record stores and gateway replicas")
     print_machine()
@@ -360,8 +394,8 @@ def main() -> None:
     raw: dict = {"stores": [], "gateways": [], "disks": []}
     try:
         # --- part 1: stores, on this disk and on it capped to a network volume's write IOPS --------
-        disks = [("this disk", None)]
-        if args.disk_iops:
+        disks = [] if args.gateways_only else [("this disk", None)]
+        if args.disk_iops and not args.gateways_only:
             disks.append((f"this disk at {args.disk_iops} write IOPS", args.disk_iops))
         for disk, iops in disks:
             group = None
@@ -394,33 +428,20 @@ def main() -> None:
                     if httpx.get(f"http://127.0.0.1:{ports['llm']}/health", timeout=2).status_code == 200:
                         break
                 time.sleep(0.2)
-            sqlite_env = {"BCSTACK_COORDINATOR_RECORDS_PATH": str(work / "gw.sqlite")}
-            sqlite_gateway = ("1 gateway, SQLite", 1, sqlite_env)
-            variants = [] if args.stores_only else [sqlite_gateway]
-            variants += [
-                (
-                    f"{n} gateway(s), PostgreSQL",
-                    n,
-                    {"BCSTACK_COORDINATOR_RECORDS_URL": new_database(server, f"bench{next(databases)}")},
-                )
-                for n in ([] if args.stores_only else replicas)
-            ]
-            variants += [
-                (
-                    f"{n} gateway(s), PostgreSQL, named ids",
-                    n,
-                    {"BCSTACK_COORDINATOR_RECORDS_URL": new_database(server, f"bench{next(databases)}")},
-                )
-                for n in ([] if args.stores_only else named_replicas)
-            ]
-            for label, n, records_env in variants:
+            variants = []
+            for load in [] if args.stores_only else loads:
+                sqlite_env = {"BCSTACK_COORDINATOR_RECORDS_PATH": str(work / f"gw-{load}.sqlite")}
+                variants += [(load, *v) for v in load_variants(server, databases, sqlite_env)]
+            for load, label, n, records_env in variants:
                 named = "named ids" in label
-                run = gateway_run(work, f"v{len(raw['gateways'])}", ports, records_env, n, args, named=named)
-                run.update(variant=label, replicas=n)
+                run = gateway_run(
+                    work, f"v{len(raw['gateways'])}", ports, records_env, n, args, load, named=named
+                )
+                run.update(variant=label, replicas=n, concurrency=load)
                 raw["gateways"].append(run)
                 print(
-                    f"  {label}: {run['episodes'] / run['seconds']:.1f} episodes/s, {run['errors']} errors, "
-                    f"p99 {run['latency']['p99_ms']:.0f} ms, "
+                    f"  {load} in flight, {label}: {run['episodes'] / run['seconds']:.1f} episodes/s, "
+                    f"{run['errors']} errors, p99 {run['latency']['p99_ms']:.0f} ms, "
                     f"gateway CPU {run['cpu_ms_per_turn']:.2f} ms/turn",
                     flush=True,
                 )
@@ -438,13 +459,17 @@ def main() -> None:
         ]
         for r in raw["stores"]
     ]  # fmt: skip
-    one = next((r for r in raw["gateways"] if r["replicas"] == 1 and "PostgreSQL" in r["variant"]), None)
+    # Each row's ratio is against one PostgreSQL replica at the same load.
+    one = {
+        r["concurrency"]: r for r in reversed(raw["gateways"]) if r["variant"] == "1 gateway(s), PostgreSQL"
+    }
     gateway_rows = [
         [
-            r["variant"], r["episodes"], r["errors"], round(r["seconds"], 1),
+            r["concurrency"], r["variant"], r["episodes"], r["errors"], round(r["seconds"], 1),
             round(r["episodes"] / r["seconds"], 1), round(r["latency"]["p50_ms"], 0),
             round(r["latency"]["p99_ms"], 0), round(r["cpu_ms_per_turn"], 2),
-            round(r["cpu_ms_per_turn"] / one["cpu_ms_per_turn"], 2) if one else "",
+            round(r["cpu_ms_per_turn"] / one[r["concurrency"]]["cpu_ms_per_turn"], 2)
+            if r["concurrency"] in one else "",
             round(r["voluntary_switches_per_turn"], 2), round(r["involuntary_switches_per_turn"], 2),
             round(r["idle_cpu_percent"], 2),
         ]
@@ -490,6 +515,7 @@ def main() -> None:
             f"Gateways: {args.concurrency} episodes in flight, {args.duration:g} s each, "
             "scripted LLM, stub worker",
             [
+                "in flight",
                 "variant",
                 "episodes",
                 "errors",
@@ -498,7 +524,7 @@ def main() -> None:
                 "p50 ms",
                 "p99 ms",
                 "gateway CPU ms/turn",
-                "x 1 PostgreSQL replica",
+                "x 1 PostgreSQL replica at that load",
                 "sleeps/turn",
                 "preemptions/turn",
                 "idle CPU % of a core",
@@ -510,10 +536,12 @@ def main() -> None:
                 "so episodes/s cannot grow with replicas here; the CPU per turn says what a replica costs. "
                 "Sleeps and preemptions are the gateways' main-thread context switches per turn (voluntary: "
                 "an event loop waiting for work; involuntary: the kernel giving the core to another "
-                "process); idle CPU is the busiest replica's with no episodes, before the warm-up."
+                "process); idle CPU is the busiest replica's with no episodes, before the warm-up. "
+                "Ratios are against one PostgreSQL replica at the same load (episodes in flight)."
             ],
         ),  # fmt: skip
     ]
+    tables = [t for t in tables if t.rows]  # --stores-only or --gateways-only: one part's table
     if args.json:
         args.json.write_text(json.dumps(raw, indent=2))
     print(f"results: {write_results('gateway_scale', tables, path=args.results, dirty_ok=args.dirty_ok)}")
