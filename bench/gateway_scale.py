@@ -21,9 +21,8 @@ Two parts, each comparing its variants side by side in one run:
    replicas): `--concurrency` closed-loop clients for `--duration` seconds, the same episode mix:
    one gateway on SQLite, one on PostgreSQL, then 1, 2 and 4 replicas on PostgreSQL behind HAProxy.
    `--concurrency 32,256` runs every variant at each load in turn (ratios against one PostgreSQL
-   replica at the same load): on shared cores a lighter load leaves a core idle part of the time,
-   so the kernel preempts the gateways less and their CPU per turn is closer to what a replica with
-   its own core would cost.
+   replica at the same load), so whether a replica's extra CPU per turn on shared cores depends on
+   how busy the cores are can be read side by side.
    Episodes/s, client latency p50/p99, every gateway process's CPU (user + system from /proc) per
    coordinator turn, that CPU relative to one replica's, the gateways' context switches per turn
    and a replica's CPU when idle.
