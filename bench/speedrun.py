@@ -181,8 +181,9 @@ def recipe(report: dict[str, Any]) -> str:
     """The training recipe a run used, from its report's arguments: what separates runs of one world.
 
     "SFT 4.5 passes; RL 18 updates (30 min cap), LR 3e-05, gains x 1" -- a run made before
-    `--rl-updates` existed had a time budget alone ("RL 12 min"). Negative advantages and the RL
-    tiers are named only when they differ from the defaults (x 0; easy,medium).
+    `--rl-updates` existed had a time budget alone ("RL 12 min"). The world's size and its hard
+    train questions, negative advantages and the RL tiers are named only when they differ from the
+    defaults (14000 docs, 50 hard; x 0; easy,medium): "16000 docs, 300 hard train questions; SFT ...".
     """
     a = (report.get("settings") or {}).get("args") or {}
     if not a:
@@ -198,7 +199,13 @@ def recipe(report: dict[str, Any]) -> str:
         text += f", negative advantages x {float(a['rl_negative_advantage_scale']):g}"
     if a.get("rl_tiers", "easy,medium") != "easy,medium":
         text += f", RL on {a['rl_tiers']}"
-    return text
+    # The number of documents changes the world itself; more hard train questions change what SFT sees.
+    world = []
+    if int(a.get("docs", 14_000)) != 14_000:
+        world.append(f"{int(a['docs'])} docs")
+    if int(a.get("train_hard", 50)) != 50:
+        world.append(f"{int(a['train_hard'])} hard train questions")
+    return "; ".join([", ".join(world), text]) if world else text
 
 
 def summary_tables(reports: list[dict[str, Any]]) -> list[Table]:

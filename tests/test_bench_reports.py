@@ -198,6 +198,20 @@ def test_the_summary_keeps_runs_of_two_recipes_on_one_world_apart(tmp_path):
     assert groups[(recipes[0], "SFT + RL")] == 2 and groups[(recipes[2], "SFT + RL")] == 1
 
 
+def test_the_recipe_names_a_bigger_world_and_more_hard_train_questions():
+    speedrun = _bench("speedrun")
+    args = {"sft_epochs": "4.5", "rl_updates": "18", "rl_minutes": "30.0", "rl_lr": "3e-05",
+            "rl_vector_lr_scale": "1.0", "rl_tiers": "easy,medium"}  # fmt: skip
+    base = "SFT 4.5 passes; RL 18 updates (30 min cap), LR 3e-05, gains x 1"
+    # A report from before --docs and --train-hard were recorded, and one at their defaults, read alike.
+    assert speedrun.recipe({"settings": {"args": args}}) == base
+    assert speedrun.recipe({"settings": {"args": {**args, "docs": "14000", "train_hard": "50"}}}) == base
+    bigger = {**args, "docs": "16000", "train_hard": "300", "rl_tiers": "easy,medium,hard"}
+    assert speedrun.recipe({"settings": {"args": bigger}}) == (
+        "16000 docs, 300 hard train questions; " + base + ", RL on easy,medium,hard"
+    )
+
+
 def test_the_rl_variants_read_dev_and_test_only_with_final(tmp_path):
     import argparse
 
