@@ -12,6 +12,7 @@ and runs alone. `make test` runs one process (docs/development.md: why).
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -120,11 +121,49 @@ def pytest_configure(config) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+_PORT_SPAN = 1500  # ports per pytest-xdist worker: a session asks for a few hundred
+_port_turn = itertools.count()
+
+
+def _port_slice() -> range | None:
+    """This process's own ports, below the OS's ephemeral range (where `bind(0)`, outgoing connections
+    and every service that picks its own port live), one slice per pytest-xdist worker; None where the
+    ephemeral range leaves no room below it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) % 8 if worker.isdigit() else 0
+    base = low - 8 * _PORT_SPAN
+    if base < 10_000:
+        return None
+    return range(base + index * _PORT_SPAN, base + (index + 1) * _PORT_SPAN)
+
+
 def find_free_port(host: str = LOOPBACK) -> int:
-    """A TCP port nothing listens on right now (the OS picks it; a race is possible but rare)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port nothing listens on right now and this session has not handed out before.
+
+    Two ports asked for back to back (a service's HTTP and gRPC ports) used to be whatever `bind(0)`
+    gave, and the OS may give the same one twice: a judge then bound its gRPC port and found its
+    HTTP port taken by itself (stop 48's CI). Ports now come in turn from this worker's own slice
+    below the ephemeral range, skipping any in use, so no two asks, no two workers, and no port the
+    OS hands out elsewhere meet; a race with a process outside the suite is still possible but rare.
+    """
+    ports = _port_slice()
+    if ports is None:  # no room below the ephemeral range: let the OS pick
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            return sock.getsockname()[1]
+    for _ in range(len(ports)):
+        port = ports[next(_port_turn) % len(ports)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
 
 
 def wait_for_port(port: int, host: str = LOOPBACK, timeout: float = 10.0) -> None:
