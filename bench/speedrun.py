@@ -183,7 +183,8 @@ def recipe(report: dict[str, Any]) -> str:
     "SFT 4.5 passes; RL 18 updates (30 min cap), LR 3e-05, gains x 1" -- a run made before
     `--rl-updates` existed had a time budget alone ("RL 12 min"). The world's size and its hard
     train questions, negative advantages and the RL tiers are named only when they differ from the
-    defaults (14000 docs, 50 hard; x 0; easy,medium): "16000 docs, 300 hard train questions; SFT ...".
+    first recipe's values (14000 docs, 50 hard; x 0; easy,medium; the defaults now are 16000, 300 and
+    easy,medium,hard, so a run of today's recipe names them): "16000 docs, 300 hard train questions; SFT ...".
     """
     a = (report.get("settings") or {}).get("args") or {}
     if not a:
