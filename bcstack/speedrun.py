@@ -6,7 +6,7 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
 1. world    one toy world (`--world-seed`) with a test split and a dev split (50 questions per tier each,
             page-disjoint from each other and from train) and a large train split
             (`--train-easy` plus medium and hard) whose questions read no page a test question reads,
-            and `--rl-easy` more easy questions (and `--rl-medium` medium ones) kept for RL alone (SFT
+            and `--rl-easy` more easy questions (and `--rl-medium`, `--rl-hard` ones) kept for RL alone (SFT
             never sees them); the tiny kit
             (its tokenizer is trained on the fixed toy text, so it serves any world, and keeps a year
             whole, `--number-digits`; the model is bigger than the demo's: `--hidden-size`,
@@ -183,11 +183,11 @@ def split_train(
 ) -> tuple[list[dict], list[dict]]:
     """The world's train split as (SFT questions, RL questions).
 
-    For each tier in `rl_tiers` with a count in `rl_held` (`--rl-easy`, `--rl-medium`), that many of its
-    questions, a seeded sample, are kept for RL alone: the expert never answers them and SFT never sees
-    them, so RL's groups are questions as new to the SFT model as the held-out ones (on the questions
-    SFT trained on, nearly every group is all correct and carries no signal). A tier in `rl_tiers`
-    with no count held back is asked from SFT's own questions.
+    For each tier in `rl_tiers` with a count in `rl_held` (`--rl-easy`, `--rl-medium`, `--rl-hard`),
+    that many of its questions, a seeded sample, are kept for RL alone: the expert never answers them and
+    SFT never sees them, so RL's groups are questions as new to the SFT model as the held-out ones (on
+    the questions SFT trained on, nearly every group is all correct and carries no signal). A tier in
+    `rl_tiers` with no count held back is asked from SFT's own questions.
     """
     import random
 
@@ -235,7 +235,7 @@ def build_assets(state: Path, args: argparse.Namespace) -> dict[str, Path]:
             dev_per_tier=args.questions_per_tier,
             train_easy=args.train_easy + args.rl_easy,
             train_medium=args.train_medium + args.rl_medium,
-            train_hard=args.train_hard,
+            train_hard=args.train_hard + args.rl_hard,
         )
         write_world(made, world)
     if not (kit / "config.json").is_file():
@@ -520,6 +520,10 @@ def _main(argv: list[str] | None) -> int:
     add("--train-hard", type=int, default=300,
         help="hard train questions (chosen on world 0's dev split: with 50, hard stayed at 0-4 of 150 "
         "after SFT; with 300, 82: docs/research/speedrun.md)")  # fmt: skip
+    add("--rl-hard", type=int, default=0,
+        help="more hard train questions, kept for RL alone as --rl-easy's are (0: RL asks SFT's hard "
+        "questions, when --rl-tiers has hard); the world holds --train-hard plus these, so it is another "
+        "world than --train-hard alone makes")  # fmt: skip
     add("--hidden-size", type=int, default=128, help="tiny model width")
     add("--layers", type=int, default=4, help="tiny model layers")
     add("--number-digits", type=int, default=4,
@@ -596,7 +600,7 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.eval_rounds < 1:
         parser.error("--eval-rounds must be at least 1")
-    for name in ("train_easy", "rl_easy", "train_medium", "rl_medium", "train_hard", "rl_updates"):
+    for name in ("train_easy", "rl_easy", "train_medium", "rl_medium", "train_hard", "rl_hard", "rl_updates"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more: {getattr(args, name)}")
     rl_tiers = {t.strip() for t in args.rl_tiers.split(",") if t.strip()}
@@ -623,14 +627,16 @@ def _main(argv: list[str] | None) -> int:
         test_questions = load_questions(held_file)
         print(f"   evaluating on the {split} split ({held_file.name})"
               + ("" if args.final else "; --final evaluates on test"), flush=True)  # fmt: skip
-        rl_held = {t: n for t, n in {"easy": args.rl_easy, "medium": args.rl_medium}.items() if t in rl_tiers}
+        counts = {"easy": args.rl_easy, "medium": args.rl_medium, "hard": args.rl_hard}
+        rl_held = {t: n for t, n in counts.items() if t in rl_tiers}
         sft_rows, rl_rows = split_train(world, rl_held, rl_tiers, args.world_seed)
         sft_questions, rl_questions = state / "sft-questions.jsonl", state / "rl-questions.jsonl"
         for path, rows in ((sft_questions, sft_rows), (rl_questions, rl_rows)):
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         train_questions = load_questions(sft_questions)
         print(f"   {len(train_questions)} train questions for the expert and SFT, {len(rl_rows)} for RL "
-              f"({rl_held.get('easy', 0)} easy and {rl_held.get('medium', 0)} medium ones SFT never sees), "
+              f"({rl_held.get('easy', 0)} easy, {rl_held.get('medium', 0)} medium and "
+              f"{rl_held.get('hard', 0)} hard ones SFT never sees), "
               f"{len(test_questions)} held-out {split} questions")  # fmt: skip
 
         records = state / "expert-records.jsonl"

@@ -206,6 +206,9 @@ def recipe(report: dict[str, Any]) -> str:
         world.append(f"{int(a['docs'])} docs")
     if int(a.get("train_hard", 50)) != 50:
         world.append(f"{int(a['train_hard'])} hard train questions")
+    for tier in ("medium", "hard"):  # questions kept for RL alone (the RL-only easy ones are in every run)
+        if int(a.get(f"rl_{tier}", 0) or 0):
+            world.append(f"{int(a[f'rl_{tier}'])} {tier} for RL alone")
     return "; ".join([", ".join(world), text]) if world else text
 
 

@@ -210,6 +210,10 @@ def test_the_recipe_names_a_bigger_world_and_more_hard_train_questions():
     assert speedrun.recipe({"settings": {"args": bigger}}) == (
         "16000 docs, 300 hard train questions; " + base + ", RL on easy,medium,hard"
     )
+    held = {**bigger, "rl_hard": "200", "rl_medium": "0"}  # hard questions kept for RL alone are named
+    assert speedrun.recipe({"settings": {"args": held}}) == (
+        "16000 docs, 300 hard train questions, 200 hard for RL alone; " + base + ", RL on easy,medium,hard"
+    )
 
 
 def test_the_rl_variants_read_dev_and_test_only_with_final(tmp_path):

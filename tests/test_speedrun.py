@@ -132,7 +132,7 @@ def test_rl_questions_are_a_seeded_set_of_easy_and_medium_questions_sft_never_se
     from devkit.toyworld.generator import generate_world, write_world
 
     write_world(
-        generate_world(600, 1, questions_per_tier=1, train_easy=20, train_medium=3, train_hard=0), tmp_path
+        generate_world(600, 1, questions_per_tier=1, train_easy=20, train_medium=3, train_hard=3), tmp_path
     )
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     ids = lambda qs: [q["query_id"] for q in qs]  # noqa: E731
@@ -159,6 +159,13 @@ def test_rl_questions_are_a_seeded_set_of_easy_and_medium_questions_sft_never_se
     assert split_train(tmp_path, {"easy": 5, "medium": 2}, {"easy"}, seed=0) == (sft, rl)  # not an RL tier
     with pytest.raises(StackError, match="--rl-medium 4 is more than the world's 3 medium"):
         split_train(tmp_path, {"easy": 5, "medium": 4}, {"easy", "medium"}, seed=0)
+    # --rl-hard 2 with hard among RL's tiers: two hard questions SFT never sees, the third stays SFT's.
+    sft_h, rl_h = split_train(tmp_path, {"easy": 5, "hard": 2}, {"easy", "hard"}, seed=0)
+    hard = [q for q in rows if q["data_source"] == "bc_train_hard"]
+    held_hard = [q for q in rl_h if q["data_source"] == "bc_train_hard"]
+    assert len(hard) == 3 and len(held_hard) == 2 and set(ids(held_hard)) < set(ids(hard))
+    assert len([q for q in sft_h if q["data_source"] == "bc_train_hard"]) == 1
+    assert sorted(ids(sft_h) + ids(rl_h)) == sorted(ids(rows)) and not set(ids(sft_h)) & set(ids(rl_h))
 
 
 def test_the_training_signal_reads_sfts_first_and_last_steps_and_rls_equal_reward_groups():
@@ -183,7 +190,7 @@ def test_a_negative_question_count_or_update_budget_is_refused_in_one_line(capsy
 
     from bcstack.speedrun import main
 
-    for option in ("--rl-medium", "--rl-updates", "--train-hard"):
+    for option in ("--rl-medium", "--rl-updates", "--train-hard", "--rl-hard"):
         with pytest.raises(SystemExit) as exit_info:
             main([option, "-1"])
         assert exit_info.value.code == 2
