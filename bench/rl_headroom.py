@@ -24,8 +24,11 @@ hold the judgements (one JSON object per (question, round): query_id, tier, corr
 `eval-<split>-rl-*` folder (a final's evaluation with the other guard setting, an RL model kept
 from an earlier update count) gets rows of its own, named by the folder. The states
 are the runs' working folders, not committed; the report names each run so it can be made again.
-The table, with the command, commit, machine and date, goes to bench/results/rl_headroom.md
-(--results); refused from a checkout with uncommitted changes unless --dirty-ok.
+The rates are `bcstack.evaluation.report.round_consistency` of each evaluation folder (the
+evaluation report's own judgement loader, so a malformed line is named as `bcstack eval report`
+names it). The table, with the command, commit, machine and date, goes to
+bench/results/rl_headroom.md (--results); refused from a checkout with uncommitted changes unless
+--dirty-ok.
 """
 
 from __future__ import annotations
@@ -33,56 +36,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
-from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 from common import Table, print_machine, require_clean_tree, write_results  # noqa: E402
 
-TIERS = ("easy", "medium", "hard")
+from bcstack.evaluation.report import ReportError, round_consistency  # noqa: E402
+
 STAGES = (("sft", "SFT"), ("rl", "SFT + RL"))
-
-
-def consistency(judgements: Iterable[dict]) -> dict[str, dict[str, float | int]]:
-    """Per tier and "all": questions, rounds per question (the most any had), and the mean,
-    majority and any-round rates in percent, and the mixed questions' count."""
-    rounds: dict[tuple[str, str], list[bool]] = defaultdict(list)
-    for row in judgements:
-        rounds[(str(row["tier"]), str(row["query_id"]))].append(bool(row["correct"]))
-    out: dict[str, dict[str, float | int]] = {}
-    for tier in (*TIERS, "all"):
-        asked = [v for (t, _), v in rounds.items() if tier in ("all", t)]
-        if not asked:
-            continue
-        n = len(asked)
-        out[tier] = {
-            "questions": n,
-            "rounds": max(len(v) for v in asked),
-            "mean": 100.0 * sum(sum(v) / len(v) for v in asked) / n,
-            "majority": 100.0 * sum(2 * sum(v) > len(v) for v in asked) / n,
-            "any": 100.0 * sum(any(v) for v in asked) / n,
-            "mixed": sum(0 < sum(v) < len(v) for v in asked),
-        }
-    return out
-
-
-def read_judgements(path: Path) -> list[dict]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                row["query_id"], row["tier"], row["correct"]  # noqa: B018 - the fields it needs
-            except (ValueError, KeyError, TypeError) as exc:
-                raise SystemExit(
-                    f"bench/rl_headroom.py: {path}:{number}: not a judgement row ({exc})"
-                ) from None
-            rows.append(row)
-    return rows
 
 
 def run_rows(state: Path) -> list[list]:
@@ -100,10 +63,11 @@ def run_rows(state: Path) -> list[list]:
         stages.append((path.name, f"SFT + RL ({path.name})"))
     rows = []
     for folder, label in stages:
-        path = state / folder / "judgements.jsonl"
-        if not path.is_file():
-            raise SystemExit(f"bench/rl_headroom.py: {state}: no {path.relative_to(state)}")
-        for tier, c in consistency(read_judgements(path)).items():
+        try:
+            consistency = round_consistency(state / folder)
+        except ReportError as exc:  # names the file and line: missing, not JSON, a field wrong
+            raise SystemExit(f"bench/rl_headroom.py: {exc}") from None
+        for tier, c in consistency.items():
             rows.append([
                 run, label, tier, c["questions"], c["rounds"], round(c["mean"], 1), round(c["majority"], 1),
                 round(c["majority"] - c["mean"], 1), round(c["any"], 1), c["mixed"],

@@ -326,42 +326,23 @@ def test_every_bench_that_writes_results_lists_dirty_ok_in_its_help():
 
 def _judgements(path: Path, rows: list[tuple[str, str, bool]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"query_id": q, "tier": t, "correct": c}) + "\n" for q, t, c in rows))
+    path.write_text(
+        "".join(
+            json.dumps({"query_id": q, "round": r, "tier": t, "correct": c}) + "\n"
+            for r, (q, t, c) in enumerate(rows)
+        )
+    )
 
 
-def test_the_headroom_counts_mean_majority_any_and_mixed_per_tier():
-    headroom = _bench("rl_headroom")
-    rows = [
-        # q1 easy: 3/3; q2 easy: 2/3 (majority right); q3 hard: 1/3 (majority wrong); q4 hard: 0/3
-        *(("1", "easy", True) for _ in range(3)),
-        ("2", "easy", True), ("2", "easy", False), ("2", "easy", True),
-        ("3", "hard", False), ("3", "hard", True), ("3", "hard", False),
-        *(("4", "hard", False) for _ in range(3)),
-    ]  # fmt: skip
-    c = headroom.consistency({"query_id": q, "tier": t, "correct": ok} for q, t, ok in rows)
-    assert set(c) == {"easy", "hard", "all"}  # a tier nobody asked is left out, not a 0/0
-    assert c["easy"] == {
-        "questions": 2,
-        "rounds": 3,
-        "mean": 100 * 5 / 6,
-        "majority": 100.0,
-        "any": 100.0,
-        "mixed": 1,
-    }
-    assert c["hard"]["mean"] == pytest.approx(100 / 6) and c["hard"]["majority"] == 0.0
-    assert c["hard"]["any"] == 50.0 and c["hard"]["mixed"] == 1
-    assert c["all"]["mean"] == pytest.approx(50.0) and c["all"]["majority"] == 50.0 and c["all"]["mixed"] == 2
-
-
-def test_the_headroom_reads_a_state_and_says_what_is_missing(tmp_path, capsys):
-    headroom = _bench("rl_headroom")
+def test_the_headroom_reads_each_evaluation_of_a_state_and_says_what_is_missing(tmp_path):
+    headroom = _bench("rl_headroom")  # the rates themselves: tests/test_eval_report.py (round_consistency)
     state = tmp_path / "w9-t1"
     state.mkdir()
     with pytest.raises(SystemExit, match="no report.json"):
         headroom.run_rows(state)
     (state / "report.json").write_text(json.dumps({"split": "dev", "world_seed": 9, "train_seed": 1}))
     _judgements(state / "eval-dev-sft" / "judgements.jsonl", [("1", "easy", True), ("1", "easy", False)])
-    with pytest.raises(SystemExit, match="no eval-dev-rl/judgements.jsonl"):
+    with pytest.raises(SystemExit, match=r"eval-dev-rl/judgements.jsonl: missing"):
         headroom.run_rows(state)
     _judgements(state / "eval-dev-rl" / "judgements.jsonl", [("1", "easy", True), ("1", "easy", True)])
     rows = headroom.run_rows(state)
@@ -370,10 +351,17 @@ def test_the_headroom_reads_a_state_and_says_what_is_missing(tmp_path, capsys):
         for stage in ("SFT", "SFT + RL")
         for tier in ("easy", "all")
     ]
-    assert rows[0][5:] == [50.0, 0.0, -50.0, 100.0, 1]  # a 1-of-2 question is no majority
-    (state / "eval-dev-rl" / "judgements.jsonl").write_text('{"query_id": "1"}\n')
-    with pytest.raises(SystemExit, match=r"judgements.jsonl:1: not a judgement row"):
-        headroom.run_rows(state)
-    _judgements(state / "eval-dev-rl" / "judgements.jsonl", [("1", "easy", True)])
+    assert rows[0][3:] == [
+        1,
+        2,
+        50.0,
+        0.0,
+        -50.0,
+        100.0,
+        1,
+    ]  # questions, rounds, rates, majority - mean, mixed
     _judgements(state / "eval-dev-rl-u18" / "judgements.jsonl", [("1", "easy", False)])
     assert [r[1] for r in headroom.run_rows(state)][-2:] == ["SFT + RL (eval-dev-rl-u18)"] * 2
+    (state / "eval-dev-rl" / "judgements.jsonl").write_text('{"query_id": "1"}\n')
+    with pytest.raises(SystemExit, match=r"eval-dev-rl/judgements.jsonl:1: no 'round'"):
+        headroom.run_rows(state)

@@ -19,6 +19,7 @@ from bcstack.evaluation.report import (
     question_level_comparison,
     render_markdown,
     report_figure,
+    round_consistency,
     wilson_interval,
     write_report,
 )
@@ -494,3 +495,41 @@ def test_missing_or_bad_files_are_named(tmp_path):
     write_eval_dir(root, [{"query_id": "1", "correct": True}])
     with pytest.raises(ReportError, match=r"questions\.jsonl:2"):
         build_report(root)
+
+
+def test_round_consistency_counts_mean_majority_any_and_mixed_per_tier(tmp_path):
+    outcomes = {
+        ("1", "easy"): [True, True, True],
+        ("2", "easy"): [True, False, True],  # right in most rounds
+        ("3", "hard"): [False, True, False],  # right in fewer than half
+        ("4", "hard"): [False, False, False],
+    }
+    rows = [
+        {"query_id": q, "tier": tier, "round": r, "correct": ok}
+        for (q, tier), results in outcomes.items()
+        for r, ok in enumerate(results)
+    ]
+    c = round_consistency(write_eval_dir(tmp_path / "e", rows))
+    assert set(c) == {"easy", "hard", "all"}  # a tier nobody asked is left out, not a 0/0
+    assert c["easy"] == {
+        "questions": 2,
+        "rounds": 3,
+        "mean": 100 * 5 / 6,
+        "majority": 100.0,
+        "any": 100.0,
+        "mixed": 1,
+    }
+    assert c["hard"]["mean"] == pytest.approx(100 / 6) and c["hard"]["majority"] == 0.0
+    assert c["hard"]["any"] == 50.0 and c["hard"]["mixed"] == 1
+    assert c["all"]["mean"] == pytest.approx(50.0) and c["all"]["majority"] == 50.0 and c["all"]["mixed"] == 2
+    # mean is over (question, round) pairs, as the report's accuracy; a 1-of-2 question is no majority
+    uneven = [{"query_id": "1", "tier": "easy", "round": 0, "correct": True},
+              {"query_id": "1", "tier": "easy", "round": 1, "correct": False},
+              {"query_id": "2", "tier": None, "round": 0, "correct": None}]  # fmt: skip
+    c = round_consistency(write_eval_dir(tmp_path / "u", uneven))
+    assert c["easy"] == {"questions": 1, "rounds": 2, "mean": 50.0, "majority": 0.0, "any": 100.0, "mixed": 1}
+    assert c["all"]["questions"] == 2  # the untiered question: in "all" only
+    assert c["all"]["mean"] == pytest.approx(100 / 3)
+    assert build_report(tmp_path / "u").accuracy == pytest.approx(1 / 3)
+    with pytest.raises(ReportError, match="judgements.jsonl: missing"):
+        round_consistency(tmp_path / "nothing")

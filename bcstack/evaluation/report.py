@@ -466,6 +466,39 @@ def _tier_result(tier: str, correct: int, total: int) -> TierResult:
     )
 
 
+def round_consistency(eval_dir: Path) -> dict[str, dict[str, float | int]]:
+    """How consistent a model is over the rounds of each question, per tier and in "all" (a tier no
+    question has is left out): questions, rounds (the most any question had), and in percent of the
+    questions or pairs
+
+    - ``mean``: right (question, round) pairs, the accuracy the report gives;
+    - ``majority``: questions right in more than half of their rounds, what the model would score if
+      it always gave its most frequent outcome (a policy sharpened with nothing new learnt);
+    - ``any``: questions right in at least one round (pass@k over the rounds);
+
+    and ``mixed``, the questions right in some rounds and not all. ``majority - mean`` bounds what
+    sharpening alone can gain; with one round all three rates are the accuracy (bench/rl_headroom.py).
+    """
+    rounds: dict[tuple[str, str], list[bool]] = {}
+    for j in _load_judgements(Path(eval_dir)):
+        rounds.setdefault((j.tier or "", j.query_id), []).append(j.correct is True)
+    out: dict[str, dict[str, float | int]] = {}
+    for tier in (*TIERS, "all"):
+        asked = [v for (t, _), v in rounds.items() if tier in ("all", t)]
+        if not asked:
+            continue
+        n = len(asked)
+        out[tier] = {
+            "questions": n,
+            "rounds": max(len(v) for v in asked),
+            "mean": 100.0 * sum(sum(v) for v in asked) / sum(len(v) for v in asked),
+            "majority": 100.0 * sum(2 * sum(v) > len(v) for v in asked) / n,
+            "any": 100.0 * sum(any(v) for v in asked) / n,
+            "mixed": sum(0 < sum(v) < len(v) for v in asked),
+        }
+    return out
+
+
 def build_report(eval_dir: Path, baseline_dir: Path | None = None) -> Report:
     """Read an evaluation directory (and optionally a baseline one) into a :class:`Report`."""
     report, outcomes = _summarise(Path(eval_dir))
