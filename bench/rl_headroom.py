@@ -53,7 +53,10 @@ def run_rows(state: Path) -> list[list]:
     report_path = state / "report.json"
     if not report_path.is_file():
         raise SystemExit(f"bench/rl_headroom.py: {state}: no report.json (not a finished speedrun state)")
-    report = json.loads(report_path.read_text(encoding="utf-8"))
+    try:
+        report = json.loads(report_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise SystemExit(f"bench/rl_headroom.py: {report_path}: not JSON ({exc})") from None
     split = report.get("split", "dev")
     run = (
         f"{state.name} (world {report.get('world_seed')}, training seed {report.get('train_seed')}, {split})"

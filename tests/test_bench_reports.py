@@ -340,6 +340,9 @@ def test_the_headroom_reads_each_evaluation_of_a_state_and_says_what_is_missing(
     state.mkdir()
     with pytest.raises(SystemExit, match="no report.json"):
         headroom.run_rows(state)
+    (state / "report.json").write_text("{")
+    with pytest.raises(SystemExit, match="report.json: not JSON"):
+        headroom.run_rows(state)
     (state / "report.json").write_text(json.dumps({"split": "dev", "world_seed": 9, "train_seed": 1}))
     _judgements(state / "eval-dev-sft" / "judgements.jsonl", [("1", "easy", True), ("1", "easy", False)])
     with pytest.raises(SystemExit, match=r"eval-dev-rl/judgements.jsonl: missing"):
