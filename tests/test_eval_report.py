@@ -533,3 +533,22 @@ def test_round_consistency_counts_mean_majority_any_and_mixed_per_tier(tmp_path)
     assert build_report(tmp_path / "u").accuracy == pytest.approx(1 / 3)
     with pytest.raises(ReportError, match="judgements.jsonl: missing"):
         round_consistency(tmp_path / "nothing")
+
+
+def test_the_report_says_how_the_rounds_of_each_question_agree_when_there_are_several(tmp_path):
+    rows = [
+        {"query_id": q, "tier": "easy", "round": r, "correct": ok}
+        for q, results in {"1": [True, True, True], "2": [True, False, False]}.items()
+        for r, ok in enumerate(results)
+    ]
+    report = build_report(write_eval_dir(tmp_path / "three", rows))
+    assert report.round_consistency == round_consistency(tmp_path / "three")
+    assert report.to_dict()["round_consistency"]["easy"]["mixed"] == 1
+    line = next(x for x in render_markdown(report).splitlines() if "Over the rounds" in x)
+    assert line == (
+        "- Over the rounds of each question (up to 3): right in most rounds 50.0%, in any round 100.0%, "
+        "against 66.7% of pairs; 1 of 2 questions right in some rounds and not all "
+        "(most / any by tier: Easy 50.0% / 100.0%)"
+    )
+    one = build_report(write_eval_dir(tmp_path / "one", [r for r in rows if r["round"] == 0]))
+    assert one.round_consistency is None and "Over the rounds" not in render_markdown(one)

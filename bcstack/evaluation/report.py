@@ -202,6 +202,19 @@ def question_level_comparison(
     }
 
 
+def round_consistency_line(c: dict[str, dict[str, float | int]]) -> str:
+    """One line of `round_consistency`: how often the questions' rounds agree, in all and per tier."""
+    a = c["all"]
+    tiers = "; ".join(
+        f"{t.capitalize()} {c[t]['majority']:.1f}% / {c[t]['any']:.1f}%" for t in TIERS if t in c
+    )
+    return (
+        f"Over the rounds of each question (up to {a['rounds']}): right in most rounds {a['majority']:.1f}%, "
+        f"in any round {a['any']:.1f}%, against {a['mean']:.1f}% of pairs; {a['mixed']} of {a['questions']} "
+        f"questions right in some rounds and not all (most / any by tier: {tiers})"
+    )
+
+
 def question_level_line(q: dict[str, Any]) -> str:
     """One sentence for `question_level_comparison`'s result."""
     lo, hi = q["delta_ci_pp"]
@@ -284,6 +297,9 @@ class Report:
     # search was sent back: the worker learnt it was right, FoldAgent's rule, gold sent to workers),
     # "voided" (a search-free answer given up); gold_to_workers: how many episodes sent the gold.
     guard_counts: dict[str, int] = field(default_factory=dict)
+    # With several rounds of some question: `round_consistency` of these judgements (per tier and
+    # "all": the mean, majority-of-rounds and any-round rates in percent, the mixed questions).
+    round_consistency: dict[str, dict[str, float | int]] | None = None
     paired: dict[str, Any] | None = None
     baseline: Report | None = None
 
@@ -479,8 +495,12 @@ def round_consistency(eval_dir: Path) -> dict[str, dict[str, float | int]]:
     and ``mixed``, the questions right in some rounds and not all. ``majority - mean`` bounds what
     sharpening alone can gain; with one round all three rates are the accuracy (bench/rl_headroom.py).
     """
+    return _round_consistency(_load_judgements(Path(eval_dir)))
+
+
+def _round_consistency(judgements: list[_Judgement]) -> dict[str, dict[str, float | int]]:
     rounds: dict[tuple[str, str], list[bool]] = {}
-    for j in _load_judgements(Path(eval_dir)):
+    for j in judgements:
         rounds.setdefault((j.tier or "", j.query_id), []).append(j.correct is True)
     out: dict[str, dict[str, float | int]] = {}
     for tier in (*TIERS, "all"):
@@ -556,6 +576,11 @@ def _summarise(eval_dir: Path) -> tuple[Report, dict[Key, bool]]:
         calibration_unstated=total - len(calibrated),
         status_counts=dict(sorted(statuses.items(), key=lambda kv: (-kv[1], kv[0]))),
         guard_counts={k: sum(j.guard == k for j in judgements) for k in ("bounced", "voided")},
+        round_consistency=(
+            _round_consistency(judgements)
+            if len({j.key for j in judgements}) > len({j.query_id for j in judgements})
+            else None
+        ),
     )
     return report, {j.key: j.correct is True for j in judgements}
 
@@ -644,6 +669,8 @@ def render_markdown(report: Report, name: str = "this run", baseline_name: str =
             f"bounced (the gold answer reached the worker, which then knew it was right), "
             f"{r.guard_counts.get('voided', 0)} voided"
         )
+    if r.round_consistency:
+        lines.append(f"- {round_consistency_line(r.round_consistency)}")
     if r.baseline is not None:
         lines.append(f"- {_cell(baseline_name)} Wilson 95% interval: {_interval(r.baseline.wilson_95)}")
 
