@@ -35,7 +35,8 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
 7. report   one table in seed 001's shape with three rows (untrained, SFT, SFT + RL), Wilson intervals,
             the paired comparisons (SFT vs untrained, RL vs SFT: improved/regressed, Δ pp with Newcombe's
             paired interval, exact McNemar p over (question, round) pairs, and with several rounds the
-            same comparison with questions as the units: Wilcoxon signed-rank, bootstrap interval), a
+            same comparison with questions as the units: Wilcoxon signed-rank, bootstrap interval), how
+            each stage's rounds agree (right in most rounds, in any: what sharpening alone could gain), a
             PNG and `.bcstack-speedrun/report.json` (`make speedrun` runs this through bench/speedrun.py,
             which files them, with the commit, machine and date, in bench/results/speedrun.*).
 
@@ -66,7 +67,7 @@ from typing import Any
 
 from bcstack.evaluation.cli import run_with_progress
 from bcstack.evaluation.loaders import load_questions, tier_of
-from bcstack.evaluation.report import TIERS, question_level_line
+from bcstack.evaluation.report import TIERS, question_level_line, round_consistency_line
 from bcstack.stack import StackError, down, read_state, sigterm_runs_finally, up
 from trainer.data import longest_trajectory
 
@@ -285,8 +286,10 @@ def evaluate(
 
 
 def summarise(state: Path, stages: list[tuple[str, Path, str | None]], seconds: dict[str, float]) -> dict:
-    """report.json: per stage correct/total/tiers/Wilson; the paired comparisons; seconds per stage."""
-    from bcstack.evaluation.report import build_report
+    """report.json: per stage correct/total/tiers/Wilson and how its rounds agree (`round_consistency`:
+    right in most rounds, in any, against the mean; the room sharpening alone has); the paired
+    comparisons; seconds per stage."""
+    from bcstack.evaluation.report import build_report, round_consistency
 
     dirs = {name: path for name, path, _ in stages}
     out: dict[str, Any] = {"stages": [], "paired": [], "seconds": seconds}
@@ -300,6 +303,7 @@ def summarise(state: Path, stages: list[tuple[str, Path, str | None]], seconds: 
                 "tiers": {t.tier: {"correct": t.correct, "total": t.total} for t in report.tiers},
                 "wilson_95": list(report.wilson_95),
                 "guard": report.guard_counts,
+                "round_consistency": round_consistency(path),
             }
         )
         if report.paired is not None:
@@ -387,6 +391,10 @@ def render_table(summary: dict) -> str:
         )
         if p.get("by_question"):
             lines.append(f"  {question_level_line(p['by_question'])}")
+    for s in summary["stages"]:
+        consistency = s.get("round_consistency")
+        if consistency and consistency["all"]["rounds"] > 1:
+            lines.append(f"{s['name']}: {round_consistency_line(consistency)}")
     lines.append("")
     gold = summary.get("worker_gold", False)
     bounced = ", ".join(f"{s['name']} {s.get('guard', {}).get('bounced', 0)}" for s in summary["stages"])

@@ -54,6 +54,10 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     assert [s["name"] for s in report["stages"]] == ["Untrained tiny", "SFT", "SFT + RL"]
     # With --final every evaluation reads the test split, never a dev question (without it: dev).
     assert (report["split"], report["world_seed"], report["train_seed"]) == ("test", 0, 0)
+    # How each stage's rounds agree: the untrained model had one round (no line), SFT and RL two.
+    rounds = [s["round_consistency"]["all"]["rounds"] for s in report["stages"]]
+    assert rounds == [1, 2, 2] and "SFT: Over the rounds of each question (up to 2)" in out
+    assert "Untrained tiny: Over the rounds" not in out
     assert "evaluating on the test split (questions.jsonl)" in out
 
     def ids(path):
