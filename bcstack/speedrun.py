@@ -586,6 +586,13 @@ def _main(argv: list[str] | None) -> int:
         help="negative advantages x this (train rl --negative-advantage-scale; 1: seed 000's GRPO; 0: the "
         "better-than-group samples alone, which sharpened the tiny policy most: bench/README.md)",
     )
+    add(
+        "--rl-loss-aggregation",
+        choices=("sample-mean", "token-sum"),
+        default="sample-mean",
+        help="how a sample's token losses combine (train rl --loss-aggregation): each sample's token mean, "
+        "or tokens summed over the worker token budget (Dr. GRPO)",
+    )
     add("--rl-max-policy-lag", type=int, default=0,
         help="0: synchronous (two cores run rollouts and updates in turn either way)")  # fmt: skip
     add("--concurrency", type=int, default=16, help="episodes in flight")
@@ -758,6 +765,7 @@ def _main(argv: list[str] | None) -> int:
                 "--vector-lr-scale", str(args.rl_vector_lr_scale),
                 *(["--dynamic-sampling"] if args.rl_dynamic_sampling else []),
                 "--negative-advantage-scale", str(args.rl_negative_advantage_scale),
+                "--loss-aggregation", args.rl_loss_aggregation,
                 "--micro-batch-tokens", str(max(micro_batch, budget["max_tokens"])),
                 "--worker-max-tokens", str(budget["max_tokens"]),
                 "--worker-max-turns", str(budget["max_turns"]), "--max-branches", "1",

@@ -182,9 +182,10 @@ def recipe(report: dict[str, Any]) -> str:
 
     "SFT 4.5 passes; RL 18 updates (30 min cap), LR 3e-05, gains x 1" -- a run made before
     `--rl-updates` existed had a time budget alone ("RL 12 min"). The world's size and its hard
-    train questions, negative advantages and the RL tiers are named only when they differ from the
-    first recipe's values (14000 docs, 50 hard; x 0; easy,medium; the defaults now are 16000, 300 and
-    easy,medium,hard, so a run of today's recipe names them): "16000 docs, 300 hard train questions; SFT ...".
+    train questions, negative advantages, the loss aggregation and the RL tiers are named only when
+    they differ from the first recipe's values (14000 docs, 50 hard; x 0; sample-mean; easy,medium;
+    the defaults now are 16000, 300 and easy,medium,hard, so a run of today's recipe names them):
+    "16000 docs, 300 hard train questions; SFT ...".
     """
     a = (report.get("settings") or {}).get("args") or {}
     if not a:
@@ -198,6 +199,8 @@ def recipe(report: dict[str, Any]) -> str:
     )
     if float(a.get("rl_negative_advantage_scale", 0) or 0):
         text += f", negative advantages x {float(a['rl_negative_advantage_scale']):g}"
+    if a.get("rl_loss_aggregation", "sample-mean") != "sample-mean":
+        text += f", {a['rl_loss_aggregation']} loss"
     if a.get("rl_tiers", "easy,medium") != "easy,medium":
         text += f", RL on {a['rl_tiers']}"
     # The number of documents changes the world itself; more hard train questions change what SFT sees.

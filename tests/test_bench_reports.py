@@ -214,6 +214,10 @@ def test_the_recipe_names_a_bigger_world_and_more_hard_train_questions():
     assert speedrun.recipe({"settings": {"args": held}}) == (
         "16000 docs, 300 hard train questions, 200 hard for RL alone; " + base + ", RL on easy,medium,hard"
     )
+    # Dr. GRPO's token-sum loss is named; the default sample mean (or a report from before it) is not.
+    assert speedrun.recipe({"settings": {"args": {**args, "rl_loss_aggregation": "sample-mean"}}}) == base
+    token_sum = speedrun.recipe({"settings": {"args": {**args, "rl_loss_aggregation": "token-sum"}}})
+    assert token_sum == base + ", token-sum loss"
 
 
 def test_the_rl_variants_read_dev_and_test_only_with_final(tmp_path):

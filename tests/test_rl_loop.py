@@ -231,6 +231,11 @@ def test_one_update_on_the_judges_grades_of_the_workers_answers_raises_a_correct
         "--dynamic-sampling", "--lr", "1e-4",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    # Its log starts with the recipe it ran (the defaults for what was not given).
+    assert (
+        "1 group(s) of 4 episodes per update, 1 optimizer step(s) per update, LR 0.0001 (norm gains x 1), "
+        "negative advantages x 1, sample-mean loss, rollout top-p 1, dynamic sampling on, policy lag up to 0"
+    ) in done.stdout
     (m,) = lines(out / "metrics.jsonl")
     (row,) = lines(out / "updates.jsonl")
     # The rewards are the rule judge's verdicts on the answers the workers wrote: the coordinator

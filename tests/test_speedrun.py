@@ -26,7 +26,7 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
          "--rl-updates", "1", "--rl-minutes", "5", "--rl-groups", "1", "--rl-group-size", "2",
          "--concurrency", "4",
          "--eval-rounds", "2", "--no-rl-dynamic-sampling", "--replicas", "2", "--rl-steps-per-update", "2",
-         "--final"],
+         "--rl-loss-aggregation", "token-sum", "--final"],
         module="bcstack.speedrun", timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -54,6 +54,9 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     assert [s["name"] for s in report["stages"]] == ["Untrained tiny", "SFT", "SFT + RL"]
     # With --final every evaluation reads the test split, never a dev question (without it: dev).
     assert (report["split"], report["world_seed"], report["train_seed"]) == ("test", 0, 0)
+    # Passed on to train rl, whose first line names its recipe.
+    assert report["settings"]["args"]["rl_loss_aggregation"] == "token-sum"
+    assert "negative advantages x 0, token-sum over " in out
     # How each stage's rounds agree: the untrained model had one round (no line), SFT and RL two.
     rounds = [s["round_consistency"]["all"]["rounds"] for s in report["stages"]]
     assert rounds == [1, 2, 2] and "SFT: Over the rounds of each question (up to 2)" in out

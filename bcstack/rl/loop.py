@@ -150,6 +150,19 @@ def token_norm(cfg: RLConfig) -> float:
     return float(cfg.worker_budget.get("max_tokens", MAX_TOKENS))
 
 
+def settings_line(cfg: RLConfig) -> str:
+    """The run's recipe in one line, printed at its start (and at each resume), so a log says what ran."""
+    top_p = "the workers' own" if cfg.rollout_top_p is None else f"{cfg.rollout_top_p:g}"
+    loss = "sample-mean" if cfg.loss_aggregation == "sample-mean" else f"token-sum over {token_norm(cfg):g}"
+    return (
+        f"RL settings: {len(cfg.questions)} questions, {cfg.groups} group(s) of {cfg.group_size} episodes "
+        f"per update, {cfg.steps_per_update} optimizer step(s) per update, LR {cfg.lr:g} (norm gains x "
+        f"{cfg.vector_lr_scale:g}), negative advantages x {cfg.negative_advantage_scale:g}, {loss} loss, "
+        f"rollout top-p {top_p}, dynamic sampling {'on' if cfg.dynamic_sampling else 'off'}, "
+        f"policy lag up to {cfg.max_policy_lag}, seed {cfg.seed}"
+    )
+
+
 def _crash_point(phase: str, update: int) -> None:
     if os.environ.get(CRASH_ENV) == f"{phase}:{update}":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -279,6 +292,7 @@ class RLRun:
             for path in (self.out / METRICS_FILE, self.out / UPDATES_FILE):
                 path.write_text("")
             self._open_sinks(resume_update=None)
+        self.say(settings_line(cfg))
 
     def _open_sinks(self, resume_update: int | None) -> None:
         cfg = self.cfg
@@ -294,6 +308,10 @@ class RLRun:
                 "steps_per_update": cfg.steps_per_update, "vector_lr_scale": cfg.vector_lr_scale,
                 "model": str(cfg.model),
                 "ref": str(cfg.ref), "mixed_versions": cfg.mixed_versions,
+                "dynamic_sampling": cfg.dynamic_sampling,
+                "negative_advantage_scale": cfg.negative_advantage_scale,
+                "rollout_top_p": cfg.rollout_top_p, "loss_aggregation": cfg.loss_aggregation,
+                "seed": cfg.seed,
             },
         )  # fmt: skip
 
