@@ -121,6 +121,25 @@ def speedrun_tables(report: dict[str, Any]) -> list[Table]:
                 ],
             )
         )  # fmt: skip
+    consistency = [
+        [st["name"], tier, c["questions"], c["rounds"], c["mean"], c["majority"], c["majority"] - c["mean"],
+         c["any"], c["mixed"]]
+        for st in report["stages"]
+        if (st.get("round_consistency") or {}).get("all", {}).get("rounds", 1) > 1
+        for tier, c in st["round_consistency"].items()
+    ]  # fmt: skip
+    if consistency:  # a report from before the speedrun recorded it has none
+        tables.append(
+            Table(
+                "How each stage's rounds agree (what sharpening alone could gain)",
+                ["stage", "tier", "questions", "rounds", "mean %", "majority %", "majority − mean, pp",
+                 "any round %", "mixed questions"],
+                consistency,
+                notes=["majority: questions right in most of their rounds, where a policy RL only makes more "
+                       "sure of itself ends; any round: pass@k over the rounds; mixed: right in some rounds "
+                       "and not all (bcstack.evaluation.report.round_consistency)."],
+            )
+        )  # fmt: skip
     c = report.get("worker_gold_comparison")
     if c:
         tables.append(

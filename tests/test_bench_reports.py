@@ -93,6 +93,18 @@ def test_the_speedrun_report_holds_the_three_rows_the_comparisons_and_the_commit
         text, "Paired comparisons with questions as the units (each question's mean over its rounds)"
     )
     assert [r[:6] for r in by_question] == [["SFT + RL", "SFT", "150", "3–3", "14", "4"]]
+    assert "How each stage's rounds agree" not in text  # a report from before it recorded them
+    # A report that records them: a table row per tier of each stage with several rounds.
+    report = copy.deepcopy(REPORT)
+    rates = {"questions": 50, "rounds": 3, "mean": 60.0, "majority": 62.0, "any": 70.0, "mixed": 9}
+    report["stages"][0]["round_consistency"] = {"all": {**rates, "rounds": 1}}
+    report["stages"][1]["round_consistency"] = {"easy": rates, "all": {**rates, "questions": 150}}
+    agree = _table(
+        _bench("speedrun").render_speedrun(report),
+        "How each stage's rounds agree (what sharpening alone could gain)",
+    )
+    assert [r[:4] for r in agree] == [["SFT", "easy", "50", "3"], ["SFT", "all", "150", "3"]]
+    assert [float(x) for x in agree[0][4:]] == [60.0, 62.0, 2.0, 70.0, 9.0]
     seconds = dict(_table(text, "Seconds per stage"))
     assert {k: float(v) for k, v in seconds.items()} == {
         "world": 11,
