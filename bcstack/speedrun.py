@@ -303,7 +303,9 @@ def summarise(state: Path, stages: list[tuple[str, Path, str | None]], seconds: 
                 "tiers": {t.tier: {"correct": t.correct, "total": t.total} for t in report.tiers},
                 "wilson_95": list(report.wilson_95),
                 "guard": report.guard_counts,
-                "round_consistency": round_consistency(path),
+                # build_report computes it when some question has several rounds; with one round the
+                # rates are the accuracy, read here so every stage has them.
+                "round_consistency": report.round_consistency or round_consistency(path),
             }
         )
         if report.paired is not None:
