@@ -102,13 +102,22 @@ def histogram_mean_ms(before, after) -> dict:
     return {"n": int(n), "mean_ms": (s1 - s0) / n * 1e3 if n > 0 else float("nan")}
 
 
-async def drive(url: str, concurrency: int, duration: float, *, named: bool = False) -> dict:
-    """N closed-loop clients posting episodes for `duration` seconds (aiohttp: a cheap load generator);
-    `named`: each body names its episode id, as the apps do (the gateway then claims it)."""
+async def drive(
+    url: str, concurrency: int, duration: float, *, named: bool = False, rate: float | None = None
+) -> dict:
+    """Post episodes for `duration` seconds (aiohttp: a cheap load generator). Closed loop by default:
+    `concurrency` clients, each posting its next episode when the last one returns, so the load is
+    whatever the machine serves. With `rate` (episodes per second), open loop: episodes arrive at
+    that mean rate (Poisson, seeded) whether or not earlier ones have returned, at most
+    `concurrency` in flight (an arrival beyond that is counted in `refused`, not sent), so every
+    variant is offered the same work and a busy gateway does not slow its own load down. `named`:
+    each body names its episode id, as the apps do (the gateway then claims it)."""
+    if rate is not None and not rate > 0:
+        raise ValueError(f"rate must be a positive number of episodes per second, not {rate!r}")
     run_id = f"{random.randrange(16**8):08x}"
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     deadline = time.perf_counter() + duration
-    done = turns = errors = 0
+    done = turns = errors = refused = 0
     statuses: dict[str, int] = {}
     latencies: list[float] = []
     episode_ids: list[str] = []
@@ -117,41 +126,66 @@ async def drive(url: str, concurrency: int, duration: float, *, named: bool = Fa
         url, connector=connector, timeout=aiohttp.ClientTimeout(total=600)
     ) as client:
 
-        async def loop() -> None:
+        async def one() -> None:
             nonlocal done, turns, errors, counter
+            counter += 1
+            body = {"question": f"Where was the laureate of prize {counter} born?"}
+            if named:
+                body["episode_id"] = f"{run_id}-{counter}"
+            t0 = time.perf_counter()
+            try:
+                async with client.post("/v1/episodes", json=body) as r:
+                    status = r.status
+                    data = await r.json() if status == 200 else None
+            except (aiohttp.ClientError, TimeoutError) as e:
+                errors += 1
+                statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
+                return
+            if data is None:
+                errors += 1
+                statuses[f"http{status}"] = statuses.get(f"http{status}", 0) + 1
+                return
+            latencies.append(time.perf_counter() - t0)
+            statuses[data["status"]] = statuses.get(data["status"], 0) + 1
+            if data["status"] != "finish":
+                errors += 1
+            done += 1
+            turns += data["usage"]["turns"]
+            episode_ids.append(data["episode_id"])
+
+        async def loop() -> None:
             while time.perf_counter() < deadline:
-                counter += 1
-                body = {"question": f"Where was the laureate of prize {counter} born?"}
-                if named:
-                    body["episode_id"] = f"{run_id}-{counter}"
-                t0 = time.perf_counter()
-                try:
-                    async with client.post("/v1/episodes", json=body) as r:
-                        status = r.status
-                        data = await r.json() if status == 200 else None
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    errors += 1
-                    statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
+                await one()
+
+        async def arrivals() -> None:
+            nonlocal refused
+            rng = random.Random(0)
+            in_flight: set[asyncio.Task] = set()
+            due = time.perf_counter()
+            while True:
+                due += rng.expovariate(rate)
+                if due >= deadline:
+                    break
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                if len(in_flight) >= concurrency:
+                    refused += 1
                     continue
-                if data is None:
-                    errors += 1
-                    statuses[f"http{status}"] = statuses.get(f"http{status}", 0) + 1
-                    continue
-                latencies.append(time.perf_counter() - t0)
-                statuses[data["status"]] = statuses.get(data["status"], 0) + 1
-                if data["status"] != "finish":
-                    errors += 1
-                done += 1
-                turns += data["usage"]["turns"]
-                episode_ids.append(data["episode_id"])
+                task = asyncio.create_task(one())
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            await asyncio.gather(*in_flight)
 
         start = time.perf_counter()
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        if rate is None:
+            await asyncio.gather(*(loop() for _ in range(concurrency)))
+        else:
+            await arrivals()
         elapsed = time.perf_counter() - start
     return {
         "episodes": done,
         "turns": turns,
         "errors": errors,
+        "refused": refused,
         "seconds": elapsed,
         "statuses": statuses,
         "latency": percentiles_ms(latencies),

@@ -1,6 +1,7 @@
 """Benchmark: the record store under a gateway, and gateway replicas on one PostgreSQL (issue 33).
 
     python bench/gateway_scale.py [--writers 256] [--store-seconds 10] [--concurrency 256]
+                                  [--rate R,...] [--max-in-flight 256]
                                   [--duration 15] [--replicas 1,2,4] [--disk-iops 1000]
                                   [--stores-only | --gateways-only] [--results FILE] [--dirty-ok]
 
@@ -22,7 +23,10 @@ Two parts, each comparing its variants side by side in one run:
    one gateway on SQLite, one on PostgreSQL, then 1, 2 and 4 replicas on PostgreSQL behind HAProxy.
    `--concurrency 32,256` runs every variant at each load in turn (ratios against one PostgreSQL
    replica at the same load), so whether a replica's extra CPU per turn on shared cores depends on
-   how busy the cores are can be read side by side.
+   how busy the cores are can be read side by side. `--rate 100` adds an open-loop load: episodes
+   arrive at 100 per second (Poisson) whatever the gateways do, at most `--max-in-flight` at once,
+   so every variant is offered the same work; at a rate well below what the box serves the cores are
+   mostly idle, and the CPU per turn is a replica's own work rather than its share of the contention.
    Episodes/s, client latency p50/p99, every gateway process's CPU (user + system from /proc) per
    coordinator turn, that CPU relative to one replica's, the gateways' context switches per turn
    and a replica's CPU when idle.
@@ -293,7 +297,10 @@ def gateway_run(
     concurrency: int,
     *,
     named: bool = False,
+    rate: float | None = None,
 ) -> dict:
+    """One variant: `n` gateway replicas (behind HAProxy when several), driven closed-loop with
+    `concurrency` episodes in flight, or open-loop at `rate` episodes/s with at most that many."""
     gateways = [start_gateway(work, f"{label}-{i + 1}", ports, records, concurrency) for i in range(n)]
     front = None
     try:
@@ -307,10 +314,10 @@ def gateway_run(
         idle0 = [cpu_seconds(g["proc"].pid) for g in gateways]
         time.sleep(IDLE_SECONDS)
         idle = [cpu_seconds(g["proc"].pid) - c for g, c in zip(gateways, idle0, strict=True)]
-        asyncio.run(drive(url, concurrency, 2.0, named=named))  # warm-up: connections, pools, records
+        asyncio.run(drive(url, concurrency, 2.0, named=named, rate=rate))  # warm-up: connections, pools
         cpu0 = [cpu_seconds(g["proc"].pid) for g in gateways]
         switches0 = [context_switches(g["proc"].pid) for g in gateways]
-        run = asyncio.run(drive(url, concurrency, args.duration, named=named))
+        run = asyncio.run(drive(url, concurrency, args.duration, named=named, rate=rate))
         cpu1 = [cpu_seconds(g["proc"].pid) for g in gateways]
         switches1 = [context_switches(g["proc"].pid) for g in gateways]
         run.pop("episode_ids")
@@ -342,8 +349,21 @@ def main() -> None:
         "cgroup blkio throttling; 0 skips it)",
     )  # fmt: skip
     parser.add_argument(
-        "--concurrency", default="256", help="episodes in flight, part 2; a comma list runs each load in turn"
+        "--concurrency",
+        default="256",
+        help="closed-loop loads of part 2, episodes in flight; a comma list runs each load in turn "
+        "('' for none, with --rate)",
     )
+    parser.add_argument(
+        "--rate",
+        default="",
+        help="open-loop loads of part 2, episodes offered per second (Poisson arrivals); a comma list "
+        "runs each in turn, after the closed-loop ones",
+    )
+    parser.add_argument(
+        "--max-in-flight", type=int, default=256, help="open-loop loads: arrivals beyond this many in flight "
+        "are refused (counted, not sent)",
+    )  # fmt: skip
     parser.add_argument("--duration", type=float, default=15.0, help="measured seconds per gateway variant")
     parser.add_argument("--replicas", default="1,2,4", help="gateway replicas on PostgreSQL")
     parser.add_argument(
@@ -357,11 +377,24 @@ def main() -> None:
     only.add_argument("--gateways-only", action="store_true", help="part 2 only (no store variants)")
     args = parser.parse_args()
     try:
-        loads = [int(x) for x in args.concurrency.split(",") if x.strip()]
+        closed = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--concurrency takes whole numbers separated by commas: {args.concurrency!r}")
-    if not loads or min(loads) < 1:
+    if closed and min(closed) < 1:
         parser.error(f"--concurrency takes whole numbers of at least 1: {args.concurrency!r}")
+    try:
+        rates = [float(x) for x in args.rate.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--rate takes numbers of episodes per second separated by commas: {args.rate!r}")
+    if rates and not min(rates) > 0:
+        parser.error(f"--rate takes positive numbers of episodes per second: {args.rate!r}")
+    if args.max_in_flight < 1:
+        parser.error(f"--max-in-flight takes a whole number of at least 1: {args.max_in_flight}")
+    # Each load: (label, episodes in flight or the open loop's cap, offered rate or None).
+    loads = [(f"{c} in flight", c, None) for c in closed]
+    loads += [(f"{r:g}/s offered", args.max_in_flight, r) for r in rates]
+    if not loads and not args.stores_only:
+        parser.error("part 2 needs a load: --concurrency, --rate or both")
     replicas = [int(x) for x in args.replicas.split(",")]
     named_replicas = [int(x) for x in args.named.split(",") if x]
 
@@ -428,19 +461,21 @@ def main() -> None:
                         break
                 time.sleep(0.2)
             variants = []
-            for load in [] if args.stores_only else loads:
-                sqlite_env = {"BCSTACK_COORDINATOR_RECORDS_PATH": str(work / f"gw-{load}.sqlite")}
+            for i, load in enumerate([] if args.stores_only else loads):
+                sqlite_env = {"BCSTACK_COORDINATOR_RECORDS_PATH": str(work / f"gw-{i}.sqlite")}
                 variants += [(load, *v) for v in load_variants(server, databases, sqlite_env)]
-            for load, label, n, records_env in variants:
+            for (load, in_flight, rate), label, n, records_env in variants:
                 named = "named ids" in label
                 run = gateway_run(
-                    work, f"v{len(raw['gateways'])}", ports, records_env, n, args, load, named=named
-                )
-                run.update(variant=label, replicas=n, concurrency=load)
+                    work, f"v{len(raw['gateways'])}", ports, records_env, n, args, in_flight, named=named,
+                    rate=rate,
+                )  # fmt: skip
+                run.update(variant=label, replicas=n, load=load, concurrency=in_flight, rate=rate)
                 raw["gateways"].append(run)
                 print(
-                    f"  {load} in flight, {label}: {run['episodes'] / run['seconds']:.1f} episodes/s, "
-                    f"{run['errors']} errors, p99 {run['latency']['p99_ms']:.0f} ms, "
+                    f"  {load}, {label}: {run['episodes'] / run['seconds']:.1f} episodes/s, "
+                    f"{run['errors']} errors, {run['refused']} refused, "
+                    f"p99 {run['latency']['p99_ms']:.0f} ms, "
                     f"gateway CPU {run['cpu_ms_per_turn']:.2f} ms/turn",
                     flush=True,
                 )
@@ -459,16 +494,13 @@ def main() -> None:
         for r in raw["stores"]
     ]  # fmt: skip
     # Each row's ratio is against one PostgreSQL replica at the same load.
-    one = {
-        r["concurrency"]: r for r in reversed(raw["gateways"]) if r["variant"] == "1 gateway(s), PostgreSQL"
-    }
+    one = {r["load"]: r for r in reversed(raw["gateways"]) if r["variant"] == "1 gateway(s), PostgreSQL"}
     gateway_rows = [
         [
-            r["concurrency"], r["variant"], r["episodes"], r["errors"], round(r["seconds"], 1),
+            r["load"], r["variant"], r["episodes"], r["errors"], r["refused"], round(r["seconds"], 1),
             round(r["episodes"] / r["seconds"], 1), round(r["latency"]["p50_ms"], 0),
             round(r["latency"]["p99_ms"], 0), round(r["cpu_ms_per_turn"], 2),
-            round(r["cpu_ms_per_turn"] / one[r["concurrency"]]["cpu_ms_per_turn"], 2)
-            if r["concurrency"] in one else "",
+            round(r["cpu_ms_per_turn"] / one[r["load"]]["cpu_ms_per_turn"], 2) if r["load"] in one else "",
             round(r["voluntary_switches_per_turn"], 2), round(r["involuntary_switches_per_turn"], 2),
             round(r["idle_cpu_percent"], 2),
         ]
@@ -511,13 +543,14 @@ def main() -> None:
             ],
         ),  # fmt: skip
         Table(
-            f"Gateways: {args.concurrency} episodes in flight, {args.duration:g} s each, "
+            f"Gateways: {', '.join(load for load, _, _ in loads)}, {args.duration:g} s each, "
             "scripted LLM, stub worker",
             [
-                "in flight",
+                "load",
                 "variant",
                 "episodes",
                 "errors",
+                "refused",
                 "seconds",
                 "episodes/s",
                 "p50 ms",
@@ -536,7 +569,12 @@ def main() -> None:
                 "Sleeps and preemptions are the gateways' main-thread context switches per turn (voluntary: "
                 "an event loop waiting for work; involuntary: the kernel giving the core to another "
                 "process); idle CPU is the busiest replica's with no episodes, before the warm-up. "
-                "Ratios are against one PostgreSQL replica at the same load (episodes in flight)."
+                "Ratios are against one PostgreSQL replica at the same load. Loads: 'N in flight' is a "
+                "closed loop (N clients, each posting its next episode when its last returns: the "
+                "cores saturated); 'R/s offered' an open loop (Poisson arrivals at R episodes/s, at "
+                f"most {args.max_in_flight} in flight, an arrival beyond that refused and counted): "
+                "below saturation the cores are mostly idle, so a replica's CPU per turn is its own "
+                "work, not its share of the contention; seconds include draining the last episodes."
             ],
         ),  # fmt: skip
     ]
