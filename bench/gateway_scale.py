@@ -1,7 +1,7 @@
 """Benchmark: the record store under a gateway, and gateway replicas on one PostgreSQL (issue 33).
 
     python bench/gateway_scale.py [--writers 256] [--store-seconds 10] [--concurrency 256]
-                                  [--rate R,...] [--max-in-flight 256]
+                                  [--rate R,...] [--per-replica-rate R,...] [--max-in-flight 256]
                                   [--duration 15] [--replicas 1,2,4] [--disk-iops 1000]
                                   [--stores-only | --gateways-only] [--results FILE] [--dirty-ok]
 
@@ -27,6 +27,10 @@ Two parts, each comparing its variants side by side in one run:
    arrive at 100 per second (Poisson) whatever the gateways do, at most `--max-in-flight` at once,
    so every variant is offered the same work; at a rate well below what the box serves the cores are
    mostly idle, and the CPU per turn is a replica's own work rather than its share of the contention.
+   `--per-replica-rate 40` offers N replicas N x 40 episodes/s, each replica the same load as the one
+   replica it is compared with: whether a replica costs more per turn when there are more of them
+   (the goal), apart from how busy each one is (a busier gateway spreads its event loop's wake-ups
+   over more turns, so splitting one load over more replicas costs more per turn by itself).
    Episodes/s, client latency p50/p99, every gateway process's CPU (user + system from /proc) per
    coordinator turn, that CPU relative to one replica's, the gateways' context switches per turn
    and a replica's CPU when idle.
@@ -361,6 +365,12 @@ def main() -> None:
         "runs each in turn, after the closed-loop ones",
     )
     parser.add_argument(
+        "--per-replica-rate",
+        default="",
+        help="open-loop loads of part 2 that grow with the replicas: N replicas are offered N x R "
+        "episodes per second; a comma list runs each in turn, after the others",
+    )
+    parser.add_argument(
         "--max-in-flight", type=int, default=256, help="open-loop loads: arrivals beyond this many in flight "
         "are refused (counted, not sent)",
     )  # fmt: skip
@@ -388,13 +398,26 @@ def main() -> None:
         parser.error(f"--rate takes numbers of episodes per second separated by commas: {args.rate!r}")
     if rates and not min(rates) > 0:
         parser.error(f"--rate takes positive numbers of episodes per second: {args.rate!r}")
+    try:
+        per_replica = [float(x) for x in args.per_replica_rate.split(",") if x.strip()]
+    except ValueError:
+        parser.error(
+            "--per-replica-rate takes numbers of episodes per second separated by commas: "
+            f"{args.per_replica_rate!r}"
+        )
+    if per_replica and not min(per_replica) > 0:
+        parser.error(
+            f"--per-replica-rate takes positive numbers of episodes per second: {args.per_replica_rate!r}"
+        )
     if args.max_in_flight < 1:
         parser.error(f"--max-in-flight takes a whole number of at least 1: {args.max_in_flight}")
-    # Each load: (label, episodes in flight or the open loop's cap, offered rate or None).
-    loads = [(f"{c} in flight", c, None) for c in closed]
-    loads += [(f"{r:g}/s offered", args.max_in_flight, r) for r in rates]
+    # Each load: (label, episodes in flight or the open loop's cap, offered rate or None, whether the
+    # rate is per replica).
+    loads = [(f"{c} in flight", c, None, False) for c in closed]
+    loads += [(f"{r:g}/s offered", args.max_in_flight, r, False) for r in rates]
+    loads += [(f"{r:g}/s per replica offered", args.max_in_flight, r, True) for r in per_replica]
     if not loads and not args.stores_only:
-        parser.error("part 2 needs a load: --concurrency, --rate or both")
+        parser.error("part 2 needs a load: --concurrency, --rate, --per-replica-rate")
     replicas = [int(x) for x in args.replicas.split(",")]
     named_replicas = [int(x) for x in args.named.split(",") if x]
 
@@ -464,8 +487,9 @@ def main() -> None:
             for i, load in enumerate([] if args.stores_only else loads):
                 sqlite_env = {"BCSTACK_COORDINATOR_RECORDS_PATH": str(work / f"gw-{i}.sqlite")}
                 variants += [(load, *v) for v in load_variants(server, databases, sqlite_env)]
-            for (load, in_flight, rate), label, n, records_env in variants:
+            for (load, in_flight, rate, each), label, n, records_env in variants:
                 named = "named ids" in label
+                rate = rate * n if rate is not None and each else rate
                 run = gateway_run(
                     work, f"v{len(raw['gateways'])}", ports, records_env, n, args, in_flight, named=named,
                     rate=rate,
@@ -543,7 +567,7 @@ def main() -> None:
             ],
         ),  # fmt: skip
         Table(
-            f"Gateways: {', '.join(load for load, _, _ in loads)}, {args.duration:g} s each, "
+            f"Gateways: {', '.join(load for load, *_ in loads)}, {args.duration:g} s each, "
             "scripted LLM, stub worker",
             [
                 "load",
@@ -574,7 +598,9 @@ def main() -> None:
                 "cores saturated); 'R/s offered' an open loop (Poisson arrivals at R episodes/s, at "
                 f"most {args.max_in_flight} in flight, an arrival beyond that refused and counted): "
                 "below saturation the cores are mostly idle, so a replica's CPU per turn is its own "
-                "work, not its share of the contention; seconds include draining the last episodes."
+                "work, not its share of the contention; 'R/s per replica offered' offers N replicas "
+                "N x R episodes/s, so each replica carries the load of the one it is compared with; "
+                "seconds include draining the last episodes."
             ],
         ),  # fmt: skip
     ]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,19 @@ def test_a_rate_that_is_not_positive_is_refused():
     drive = _gateway_bench().drive
     with pytest.raises(ValueError, match="positive"):
         asyncio.run(drive("http://127.0.0.1:9", 4, 1.0, rate=0.0))
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--rate", "fast", "--rate takes numbers"),
+        ("--rate", "0", "--rate takes positive"),
+        ("--per-replica-rate", "-5", "--per-replica-rate takes positive"),
+        ("--concurrency", "", "part 2 needs a load"),
+    ],
+)
+def test_gateway_scale_refuses_a_bad_load_in_one_line(option, value, says):
+    args = [sys.executable, str(ROOT / "bench" / "gateway_scale.py"), "--gateways-only", option, value]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert says in done.stderr and "Traceback" not in done.stderr
