@@ -470,3 +470,16 @@ def test_a_worker_replica_that_dies_costs_its_episodes_not_the_run(rl_stack: dic
     assert [m["reload_failed_replicas"] for m in metrics] == [0, 1], (metrics, output)
     assert metrics[1]["graded_episodes"] == 4, (metrics, output)  # every episode ran, on the survivor
     assert f"reload of http://127.0.0.1:{http}" in output
+
+
+def test_the_settings_line_names_the_loss_aggregation_and_the_tokens_it_sums_over():
+    from bcstack.rl.loop import RLConfig, settings_line
+
+    common = dict(
+        questions=[{"id": "q1"}, {"id": "q2"}], model=Path("m"), ref=Path("m"), out=Path("o"), gateway="g",
+        judge="j", workers=["w"], admin_token="t", worker_budget={"max_tokens": 2941},
+    )  # fmt: skip
+    line = settings_line(RLConfig(**common, loss_aggregation="token-sum", rollout_top_p=None))
+    assert line.startswith("RL settings: 2 questions, 8 group(s) of 8 episodes per update")
+    assert "token-sum loss over 2941 tokens, rollout top-p the workers' own," in line
+    assert "sample-mean loss, rollout top-p 1," in settings_line(RLConfig(**common))

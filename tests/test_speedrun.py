@@ -56,7 +56,7 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     assert (report["split"], report["world_seed"], report["train_seed"]) == ("test", 0, 0)
     # Passed on to train rl, whose first line names its recipe.
     assert report["settings"]["args"]["rl_loss_aggregation"] == "token-sum"
-    assert "negative advantages x 0, token-sum over " in out
+    assert "negative advantages x 0, token-sum loss over " in out
     # How each stage's rounds agree: the untrained model had one round (no line), SFT and RL two.
     rounds = [s["round_consistency"]["all"]["rounds"] for s in report["stages"]]
     assert rounds == [1, 2, 2] and "SFT: Over the rounds of each question (up to 2)" in out

@@ -153,11 +153,15 @@ def token_norm(cfg: RLConfig) -> float:
 def settings_line(cfg: RLConfig) -> str:
     """The run's recipe in one line, printed at its start (and at each resume), so a log says what ran."""
     top_p = "the workers' own" if cfg.rollout_top_p is None else f"{cfg.rollout_top_p:g}"
-    loss = "sample-mean" if cfg.loss_aggregation == "sample-mean" else f"token-sum over {token_norm(cfg):g}"
+    loss = (
+        "sample-mean loss"
+        if cfg.loss_aggregation == "sample-mean"
+        else f"token-sum loss over {token_norm(cfg):g} tokens"
+    )
     return (
         f"RL settings: {len(cfg.questions)} questions, {cfg.groups} group(s) of {cfg.group_size} episodes "
         f"per update, {cfg.steps_per_update} optimizer step(s) per update, LR {cfg.lr:g} (norm gains x "
-        f"{cfg.vector_lr_scale:g}), negative advantages x {cfg.negative_advantage_scale:g}, {loss} loss, "
+        f"{cfg.vector_lr_scale:g}), negative advantages x {cfg.negative_advantage_scale:g}, {loss}, "
         f"rollout top-p {top_p}, dynamic sampling {'on' if cfg.dynamic_sampling else 'off'}, "
         f"policy lag up to {cfg.max_policy_lag}, seed {cfg.seed}"
     )
