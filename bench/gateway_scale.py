@@ -341,6 +341,17 @@ def gateway_run(
             stop(g["proc"])
 
 
+def _rates(parser: argparse.ArgumentParser, option: str, text: str) -> list[float]:
+    """An option's comma list of episodes per second, each positive; a bad one is refused in one line."""
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"{option} takes numbers of episodes per second separated by commas: {text!r}")
+    if rates and not min(rates) > 0:
+        parser.error(f"{option} takes positive numbers of episodes per second: {text!r}")
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -392,23 +403,8 @@ def main() -> None:
         parser.error(f"--concurrency takes whole numbers separated by commas: {args.concurrency!r}")
     if closed and min(closed) < 1:
         parser.error(f"--concurrency takes whole numbers of at least 1: {args.concurrency!r}")
-    try:
-        rates = [float(x) for x in args.rate.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--rate takes numbers of episodes per second separated by commas: {args.rate!r}")
-    if rates and not min(rates) > 0:
-        parser.error(f"--rate takes positive numbers of episodes per second: {args.rate!r}")
-    try:
-        per_replica = [float(x) for x in args.per_replica_rate.split(",") if x.strip()]
-    except ValueError:
-        parser.error(
-            "--per-replica-rate takes numbers of episodes per second separated by commas: "
-            f"{args.per_replica_rate!r}"
-        )
-    if per_replica and not min(per_replica) > 0:
-        parser.error(
-            f"--per-replica-rate takes positive numbers of episodes per second: {args.per_replica_rate!r}"
-        )
+    rates = _rates(parser, "--rate", args.rate)
+    per_replica = _rates(parser, "--per-replica-rate", args.per_replica_rate)
     if args.max_in_flight < 1:
         parser.error(f"--max-in-flight takes a whole number of at least 1: {args.max_in_flight}")
     # Each load: (label, episodes in flight or the open loop's cap, offered rate or None, whether the

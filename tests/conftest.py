@@ -12,6 +12,7 @@ and runs alone. `make test` runs one process (docs/development.md: why).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import socket
@@ -199,6 +200,15 @@ def wait_until(
             detail = f" (last error: {last_error!r})" if last_error else ""
             raise TimeoutError(f"{message} not met within {timeout:.0f} s{detail}")
         time.sleep(interval)
+
+
+def bench_module(name: str):
+    """`bench/NAME.py` loaded as a module: the benches are scripts beside the package, not in it."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ an arrival beyond that refused and counted. Against a small aiohttp server that 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import socket
 import subprocess
 import sys
@@ -15,15 +14,13 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from conftest import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gateway_bench():
-    spec = importlib.util.spec_from_file_location("bench_gateway", ROOT / "bench" / "gateway.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("gateway")
 
 
 async def _with_server(delay: float, body):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import importlib.util
 import json
 import re
 import statistics
@@ -16,15 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_bench = bench_module
 
 
 def _stage(name: str, easy: tuple[int, int], wilson: tuple[float, float]) -> dict:
