@@ -6,6 +6,7 @@ event reader, a Prometheus scrape over HTTP, the bytes of an offline wandb run, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import LOOPBACK, find_free_port
+from conftest import LOOPBACK, find_free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from scipy.stats import binomtest
 
@@ -243,8 +244,14 @@ def test_wandb_offline_run_records_the_scalars_and_the_config(tmp_path, monkeypa
         sinks.log(1, {**update_metrics(1), "reward_mean": 0.4375})
         sinks.log(2, update_metrics(2))
     (run_file,) = (out / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    needles = (b"reward_mean", b"0.4375", b"policy_lag_hist/1", b"learning_rate", b"rl-test")
+    # wandb's own service process writes the offline file; under load its last records can reach the
+    # disk a moment after finish() returns (seen: the 7-byte header alone, 1 run in 3 here), so the
+    # file is read until they are there, for at most 20 s: data that never lands still fails.
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: all(n in run_file.read_bytes() for n in needles), timeout=20, interval=0.2)
     data = run_file.read_bytes()
-    for needle in (b"reward_mean", b"0.4375", b"policy_lag_hist/1", b"learning_rate", b"rl-test"):
+    for needle in needles:
         assert needle in data, needle
     assert [r["update"] for r in read_metrics(out)] == [1, 2]
 
