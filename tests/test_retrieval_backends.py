@@ -7,6 +7,8 @@ import asyncio
 import math
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -453,11 +455,42 @@ def test_onnx_runtime_gives_the_torch_vectors_and_reuses_its_export(minilm, onnx
     stamp = fast.graph_path.stat().st_mtime_ns
     again = OnnxEmbedder("all-MiniLM-L6-v2", cache_dir=onnx_cache, num_threads=1)
     assert again.graph_path == fast.graph_path and again.graph_path.stat().st_mtime_ns == stamp
-    assert [p.name for p in onnx_cache.iterdir()] == [fast.graph_path.name]  # no temp files left
+    # the graph and its query side (tokenizer, dimension), no temp files left
+    query_side = fast.graph_path.with_suffix(".query.json").name
+    assert sorted(p.name for p in onnx_cache.iterdir()) == sorted([fast.graph_path.name, query_side])
+    # the cached tokenizer cuts and pads as transformers' tokenizer call does, at any query length
+    texts = ["where is the cat", "", "a cat sits on the mat " * 40, "1931, Zürich — and 12,000 more"]
+    for length in (8, 256):
+        cached = OnnxEmbedder("all-MiniLM-L6-v2", cache_dir=onnx_cache, max_length=length).tokenizer
+        want = minilm._model.tokenizer(texts, padding=True, truncation=True, max_length=length)
+        got = cached.encode_batch(texts)
+        assert [e.ids for e in got] == want["input_ids"]
+        assert [e.attention_mask for e in got] == want["attention_mask"]
+        assert [e.type_ids for e in got] == want["token_type_ids"]
     instructed = OnnxEmbedder("all-MiniLM-L6-v2", query_instruction="search query: ", cache_dir=onnx_cache)
     assert instructed.embed_queries(["capital of France"])[0] == pytest.approx(
         minilm.embed_documents(["search query: capital of France"])[0], abs=1e-5
     )
+
+
+def test_a_cached_export_serves_queries_without_loading_torch(onnx_cache):
+    """A second start (a retrieval service's restart) reads the graph and the query side only:
+    neither sentence-transformers nor torch is imported until a document is embedded."""
+    from services.retrieval.onnx_embedder import OnnxEmbedder
+
+    OnnxEmbedder("all-MiniLM-L6-v2", cache_dir=onnx_cache)  # exported (or already cached)
+    script = (
+        "import sys\n"
+        "from services.retrieval.onnx_embedder import OnnxEmbedder\n"
+        f"e = OnnxEmbedder('all-MiniLM-L6-v2', cache_dir={str(onnx_cache)!r})\n"
+        "q = e.embed_queries(['capital of France'])\n"
+        "print(sorted(m for m in ('torch', 'sentence_transformers') if m in sys.modules))\n"
+        "d = e.embed_documents(['Paris is the capital of France.'])\n"
+        "print(sorted(m for m in ('torch', 'sentence_transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[:2] == ["[]", "['sentence_transformers', 'torch']"]
 
 
 def test_an_unfaithful_export_is_refused_not_served(minilm, onnx_cache, monkeypatch):
