@@ -5,9 +5,9 @@ built once per session and seed), `toy_kit` (one toy world, tiny model and index
 session, shared by pytest-xdist's workers). Plain helpers, importable as
 `from conftest import find_free_port, wait_for_port, wait_until`.
 
-`make test PYTEST_WORKERS=2` runs the suite on two pytest-xdist workers, a module at a time each
+`make test` runs the suite on two pytest-xdist workers (PYTEST_WORKERS), a module at a time each
 (`--dist loadfile`), the slowest modules first (`SLOWEST_FIRST`) so that no long module starts last
-and runs alone. `make test` runs one process (docs/development.md: why).
+and runs alone (docs/development.md: the measured times). `PYTEST_WORKERS=0` runs one process.
 """
 
 from __future__ import annotations
@@ -35,21 +35,21 @@ SLOWEST_FIRST = (
     "test_trainer_distributed.py",
     "test_alerts_live.py",
     "test_rl_loop.py",
-    "test_gateway_replicas.py",
-    "test_speedrun.py",
     "test_eval_stack.py",
-    "test_canary_live.py",
+    "test_speedrun.py",
     "test_coordinator_service.py",
-    "test_retrieval_service.py",
+    "test_gateway_replicas.py",
+    "test_canary_live.py",
     "test_extras.py",
-    "test_worker_service.py",
-    "test_engine_prefix_cache.py",
     "test_loadtest.py",
-    "test_stack_options.py",
+    "test_worker_service.py",
+    "test_retrieval_service.py",
+    "test_specialists.py",
     "test_stack_gateways.py",
     "test_record_store.py",
+    "test_record_readers_pg.py",
+    "test_engine_prefix_cache.py",
     "test_grpc_fuzz.py",
-    "test_specialists.py",
     "test_trainer_grpo.py",
     "test_http_fuzz.py",
 )
