@@ -6,6 +6,9 @@ raise `NoAnswer` ("timeout" or "connection"), so retries, the breaker and error 
 httpx's connection pool scans every pooled connection on each request and response, and aiohttp's
 does not (bench/gateway.py measured 0.26x the gateway's CPU per coordinator turn at 512 episodes);
 httpx stays the default where concurrency is low and for its in-process test transports.
+
+aiohttp (and yarl) are imported by the transport that uses them, not with this module: every
+`bcstack` command imports this module through the CLI, and aiohttp's import was ~0.1 s of each.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import aiohttp
 import httpx
-import yarl
+
+if TYPE_CHECKING:
+    import aiohttp
 
 HttpClientName = Literal["httpx", "aiohttp"]
 HTTP_CLIENTS: tuple[str, ...] = ("httpx", "aiohttp")
@@ -101,6 +105,9 @@ class AiohttpTransport:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _open(self) -> aiohttp.ClientSession:
+        import aiohttp
+        import yarl
+
         try:
             proxy, proxy_auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(self._base))
         except LookupError:
@@ -119,6 +126,8 @@ class AiohttpTransport:
     async def send(
         self, method: str, path: str, headers: dict[str, str], body: bytes | None, connect: float, read: float
     ) -> HttpAnswer:
+        import aiohttp
+
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
             self._session, self._loop = self._open(), loop
