@@ -2,9 +2,11 @@
 environment gives a working service and nothing heavy it does not use.
 
 The light images' extras are checked here: the coordinator gateway and its stand-in LLM
-(`[coordinator]`), the judge (`[judge]`), the worker sidecar (`[worker]`). pip resolves each from
-the package's wheel as for an empty environment (`pip install --dry-run --ignore-installed
---report`): the distributions it would install must hold no torch, Locust or matplotlib
+(`[coordinator]`), the judge (`[judge]`), the worker sidecar (`[worker]`). pip resolves them from
+the package's wheel as for an empty environment, in one run (`pip install --dry-run
+--ignore-installed --report 'WHEEL[coordinator,judge,worker]'`; its resolver is ~13 s of CPU a run),
+and each extra's distributions are read from that report by following its requirements (their
+extras and markers too; `closure`): they must hold no torch, Locust or matplotlib
 (transformers only where the sidecar needs its tokenizer). Each service must then import and serve
 (`/health` answers) with only those distributions importable: a `sitecustomize` blocker makes
 every other installed distribution's modules raise ModuleNotFoundError, as they would in the
@@ -22,12 +24,13 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from conftest import LOOPBACK, find_free_port, wait_until
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "locust", "matplotlib", "scipy", "sentence-transformers", "onnxruntime", "tensorboard"}
@@ -80,20 +83,46 @@ def build_wheel(where: Path) -> Path:
     return wheel
 
 
-def resolve(wheel: Path, extra: str, where: Path) -> set[str]:
-    """The distributions `pip install 'browsecomp-stack[extra]'` would install into an empty
-    environment (pip's own resolver, `--dry-run --ignore-installed --report`), normalised names."""
-    report = where / f"{extra}.json"
+def resolve(wheel: Path, extras: list[str], where: Path) -> dict[str, Any]:
+    """pip's report of `pip install 'browsecomp-stack[EXTRAS]'` into an empty environment (pip's
+    own resolver, `--dry-run --ignore-installed --report`): the distributions and their metadata."""
+    report = where / "report.json"
     done = subprocess.run(
         [
             sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
             "--disable-pip-version-check", "-c", str(REPO / "constraints.txt"),
-            "--report", str(report), f"{wheel}[{extra}]",
+            "--report", str(report), f"{wheel}[{','.join(extras)}]",
         ],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return {canonical(d["metadata"]["name"]) for d in json.loads(report.read_text())["install"]}
+    return json.loads(report.read_text())
+
+
+def closure(report: dict[str, Any], root: str, extras: set[str]) -> set[str]:
+    """The distributions `root[extras]` needs among those of a pip report, normalised names: its
+    requirements and theirs, each with the extras asked of it, markers evaluated in the report's
+    environment (the extra's own `pip install` resolution, read from one of several extras)."""
+    metadata = {canonical(d["metadata"]["name"]): d["metadata"] for d in report["install"]}
+    environment = report["environment"]
+    needed: dict[str, set[str]] = {}  # distribution -> the extras asked of it so far
+    todo = [(canonical(root), set(extras))]
+    while todo:
+        name, asked = todo.pop()
+        first = name not in needed
+        fresh = asked - needed.get(name, set())
+        if not first and not fresh:
+            continue
+        needed.setdefault(name, set()).update(asked)
+        evaluate = ([""] if first else []) + sorted(fresh)  # its own requirements once, then each extra's
+        for line in metadata[name].get("requires_dist") or []:
+            requirement = Requirement(line)
+            marker = requirement.marker
+            if (marker is None and first) or (
+                marker is not None and any(marker.evaluate({**environment, "extra": e}) for e in evaluate)
+            ):
+                todo.append((canonical(requirement.name), set(requirement.extras)))
+    return set(needed)
 
 
 def canonical(name: str) -> str:
@@ -125,12 +154,12 @@ def blocker(allowed: set[str], where: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def resolved(tmp_path_factory) -> dict[str, set[str]]:
-    """pip's resolution of each extra, side by side (pip waits on the index as much as on the CPU)."""
+    """Each extra's distributions, from one pip resolution of all of them (pip's resolver is ~13 s
+    of CPU a run here, and three runs, one per extra, gave the same sets)."""
     root = tmp_path_factory.mktemp("extras")
     wheel = build_wheel(root / "wheel")
-    with ThreadPoolExecutor(len(EXTRAS)) as pool:
-        futures = {extra: pool.submit(resolve, wheel, extra, root) for extra in EXTRAS}
-        return {extra: future.result() for extra, future in futures.items()}
+    report = resolve(wheel, list(EXTRAS), root)
+    return {extra: closure(report, "browsecomp-stack", {extra}) for extra in EXTRAS}
 
 
 def test_the_blocker_hides_what_an_extra_does_not_install(tmp_path):
@@ -143,6 +172,31 @@ def test_the_blocker_hides_what_an_extra_does_not_install(tmp_path):
         [sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path
     )
     assert done.returncode == 0 and done.stdout.strip() == "blocked yaml", done.stderr
+
+
+def test_an_extras_closure_follows_requirements_their_extras_and_markers():
+    def dist(name: str, *requires: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "version": "1", "requires_dist": list(requires)}}
+
+    report = {
+        "environment": {"sys_platform": "linux", "python_version": "3.11"},
+        "install": [
+            dist("Root_Pkg", "base-dep", "web[fast] ; extra == 'serve'", "heavy ; extra == 'train'"),
+            dist("base-dep", "win-only ; sys_platform == 'win32'"),
+            dist("web", "h11", "uvloop ; extra == 'fast' and sys_platform == 'linux'"),
+            *(dist(name) for name in ("h11", "uvloop", "heavy", "win-only")),
+        ],
+    }
+    assert closure(report, "root-pkg", set()) == {"root-pkg", "base-dep"}
+    assert closure(report, "root-pkg", {"serve"}) == {"root-pkg", "base-dep", "web", "h11", "uvloop"}
+    assert closure(report, "root-pkg", {"serve", "train"}) == {
+        "root-pkg",
+        "base-dep",
+        "web",
+        "h11",
+        "uvloop",
+        "heavy",
+    }
 
 
 @pytest.mark.parametrize("extra", list(EXTRAS))
