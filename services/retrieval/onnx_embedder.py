@@ -173,9 +173,9 @@ def _write_query_side(st, target: Path) -> None:
     hf = st.tokenizer
     tokenizer = Tokenizer.from_str(hf.backend_tokenizer.to_str())
     # what transformers' PreTrainedTokenizerFast.set_truncation_and_padding sets for padding=True,
-    # truncation=True (longest_first), a max_length; the length is set again on every load
+    # truncation=True (longest_first), a max_length (set again on every load: `_query_tokenizer`)
     tokenizer.enable_truncation(
-        max_length=hf.model_max_length if hf.model_max_length < 1_000_000 else 512,
+        max_length=512,
         stride=0,
         strategy="longest_first",
         direction=hf.truncation_side,
