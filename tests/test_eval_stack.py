@@ -80,20 +80,16 @@ def stack(tmp_path_factory, toy_kit):
     # environment every service and restart inherits): the episodes in flight when the kill test
     # kills the gateway are rerun by its successor (a new HOST:PID) once their claims lapse; at 30 s
     # that wait was 28 of the test's 46 s.
-    lease = pytest.MonkeyPatch()
-    lease.setenv("BCSTACK_COORDINATOR_CLAIM_LEASE_SECONDS", "3")
-    try:
-        info = up(
-            state,
-            worker="expert",
-            world=kit / "world",
-            kit=kit / "tiny",
-            index=kit / "idx",
-            say=lambda s: None,
-        )
-    except BaseException:
-        lease.undo()
-        raise
+    with pytest.MonkeyPatch.context() as lease:
+        lease.setenv("BCSTACK_COORDINATOR_CLAIM_LEASE_SECONDS", "3")
+        yield from _stack(state, kit)
+
+
+def _stack(state, kit):
+    """The module's stack on the session toy kit (the `stack` fixture's body), down at the end."""
+    info = up(
+        state, worker="expert", world=kit / "world", kit=kit / "tiny", index=kit / "idx", say=lambda s: None
+    )
     # Five questions per tier of the world's eight: the evaluations below stay 15 questions long.
     rows = [json.loads(line) for line in (kit / "world" / "questions.jsonl").read_text().splitlines()]
     tiers: dict[str, list[str]] = {}
@@ -111,7 +107,6 @@ def stack(tmp_path_factory, toy_kit):
     finally:
         if read_state(state) is not None:
             down(state, say=lambda s: None)
-        lease.undo()
 
 
 def judgements(out) -> list[dict]:
