@@ -5,7 +5,7 @@
 
 Chat completions get the scripted replies in order, then `default(request_json)` (a 200 with a
 fixed completion unless given); `GET …/models` lists `model`. A reply may wait `delay` seconds
-first (a slow or hanging upstream). Real sockets under uvicorn: nothing in the client is mocked.
+first (a slow or hanging upstream), or until a test's condition `until()` holds (polled every 10 ms). Real sockets under uvicorn: nothing in the client is mocked.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Reply:
     body: Any = None  # dict -> JSON, bytes -> as is, None -> a completion (200) or an OpenAI error
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0  # seconds to wait before answering
+    until: Callable[[], bool] | None = None  # then wait until this holds (the test releases the reply)
 
 
 def completion(content: Any = "<function=finish>\n<parameter=answer>Tartu</parameter>\n</function>") -> dict:
@@ -110,6 +111,8 @@ class ScriptedLLM:
         try:
             if reply.delay:
                 await asyncio.sleep(reply.delay)
+            while reply.until is not None and not reply.until():
+                await asyncio.sleep(0.01)
         finally:
             self.in_flight -= 1
         out_headers = [(b"content-type", b"application/json")]
