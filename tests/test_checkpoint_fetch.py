@@ -91,7 +91,8 @@ def test_a_corrupt_cache_entry_is_refused_and_nothing_is_left(tmp_path, offline)
     cache = hub_cache(tmp_path / "cache")
     blob = hashlib.sha256(FILES["model-00002-of-00002.safetensors"][0]).hexdigest()
     path = cache / ("models--" + REPO.replace("/", "--")) / "blobs" / blob
-    path.write_bytes(b"x" + path.read_bytes()[1:])
+    data = path.read_bytes()
+    path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # flipped: b"x" was no change when it began with x
     out = tmp_path / "out"
     with pytest.raises(FetchError, match=r"model-00002-of-00002.safetensors does not match the Hub's hash"):
         fetch(REPO, COMMIT, out, cache_dir=cache)
