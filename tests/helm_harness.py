@@ -17,6 +17,12 @@ objects (`kinds`, `pod_spec`, `pod_specs`, `all_containers`, `env_of`, `mounted_
 `effective_values`, `default_paths`, `null_default_outcomes`), and checks every component makes
 (`assert_component_renders_clean`, `assert_values_rejected`, `assert_pod_disruption_budget`).
 
+Renders of the chart as it is on disk are kept for the session by their values, release, namespace
+and API versions (`render_templates`): the chart tests render the same values hundreds of times, and
+one render is ~25 ms of Go. A test gets its own copy of the parsed objects (libyaml's loader), and an
+object that passed the schema check once is not checked again (`validate_manifests`). The chart's
+random defaults (generated passwords) are therefore one draw per distinct render in a session.
+
 Three behaviours of the SDK that the helpers account for:
 - `Chart.render` is Helm's template engine alone (like `helm template`): it validates the values
   against values.schema.json and runs the templates, but it does not check Chart.yaml's
@@ -69,6 +75,8 @@ SEVERITY_ERROR = 3
 # release shares (names, labels, images, the admin token, alerts, dashboards) render with this one.
 ONE_COMPONENT: dict[str, Any] = {"judge": {"enabled": True}}
 _NOTES = "NOTES.txt"
+_RENDERED: dict[str, dict[str, str]] = {}  # render_templates' session cache (the module docstring)
+_VALID: set[str] = set()  # objects validate_manifests has passed, as canonical JSON
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -117,8 +125,11 @@ def render_templates(
     helm.validate_release_name(release)
     values, api_versions = dict(values or {}), list(api_versions)
     if not extra_templates:
-        with helm.Chart.load(chart_dir) as chart:
-            return _render(chart, values, release, namespace, api_versions)
+        key = json.dumps([str(chart_dir), values, release, namespace, api_versions], sort_keys=True)
+        if key not in _RENDERED:
+            with helm.Chart.load(chart_dir) as chart:
+                _RENDERED[key] = _render(chart, values, release, namespace, api_versions)
+        return dict(_RENDERED[key])
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / chart_dir.name
         shutil.copytree(chart_dir, copy)
@@ -153,7 +164,7 @@ def render_chart(
     for path in sorted(rendered):
         if path.endswith(_NOTES):
             continue
-        for document in yaml.safe_load_all(rendered[path]):
+        for document in yaml.load_all(rendered[path], Loader=yaml.CSafeLoader):
             if not document:
                 continue
             if not isinstance(document, dict):
@@ -224,8 +235,12 @@ def validate_manifests(manifests: Iterable[Mapping[str, Any]], k8s_version: str 
             if "spec" not in obj:
                 problems.append(f"{label}: spec is required")
             continue
+        canonical = json.dumps([k8s_version, obj], sort_keys=True, default=str)
+        if canonical in _VALID:
+            continue
         try:
             kubernetes_validate.validate(dict(obj), k8s_version, strict=True)
+            _VALID.add(canonical)
         except kubernetes_validate.ValidationError as err:
             where = ".".join(str(part) for part in err.path) or "(root)"
             problems.append(f"{label}: {where}: {err.message}")
