@@ -5,7 +5,8 @@
 
 Chat completions get the scripted replies in order, then `default(request_json)` (a 200 with a
 fixed completion unless given); `GET …/models` lists `model`. A reply may wait `delay` seconds
-first (a slow or hanging upstream), or until a test's condition `until()` holds (polled every 10 ms). Real sockets under uvicorn: nothing in the client is mocked.
+first (a slow or hanging upstream), or until a test's condition `until()` holds (polled every
+10 ms). Real sockets under uvicorn: nothing in the client is mocked.
 """
 
 from __future__ import annotations

@@ -389,10 +389,9 @@ def protocol_settings(settings: WorkerSettings) -> ProtocolSettings:
 
 def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
     """The runner, its clients and both transports on one registry (what `bcstack serve worker` runs)."""
-    from transformers import AutoTokenizer
-
     from core.engine_client import EngineClient
     from services.worker.retrieval_client import RetrievalClient
+    from services.worker.tokenizer import load_tokenizer
 
     if settings.tokenizer is None:
         raise ValueError(
@@ -400,7 +399,7 @@ def build(settings: WorkerSettings) -> tuple[FastAPI, GrpcServer | None, Any]:
         )
     registry = new_registry()
     metrics = WorkerMetrics(registry, settings)
-    tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer))
+    tokenizer = load_tokenizer(settings.tokenizer)  # tokenizer.json read without transformers (torch)
     engine = EngineClient(
         settings.engine_url,
         timeout_s=settings.engine_timeout_seconds,
