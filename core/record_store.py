@@ -506,6 +506,12 @@ def _statements(script: str) -> list[str]:
     return [s for s in script.split(";") if s.strip()]
 
 
+def _busy(exc: sqlite3.OperationalError) -> bool:
+    """SQLITE_BUSY or SQLITE_LOCKED ("database is locked", "database table is locked")."""
+    code = getattr(exc, "sqlite_errorcode", None) or 0  # an extended code: its low byte is the primary
+    return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in str(exc)
+
+
 @contextlib.contextmanager
 def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
     """BEGIN IMMEDIATE (the write lock) ... COMMIT, or ROLLBACK on any error."""
@@ -559,19 +565,37 @@ class SqliteRecordStore(RecordStore):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RecordStoreError(f"cannot create the directory of record file {self.path}: {exc}") from None
-        try:
-            # isolation_level=None: every statement commits on its own unless inside BEGIN/COMMIT.
-            self._wconn = self._connect()
-            self._prepare(self._wconn)
-            self._conn = self._connect()
-        except RecordStoreError:
-            self._close()
-            raise
-        except sqlite3.Error as exc:
-            self._close()
-            raise RecordStoreError(
-                f"record file {self.path} is not a usable SQLite database: {exc}"
-            ) from None
+        deadline = time.monotonic() + BUSY_TIMEOUT_SECONDS
+        while True:
+            try:
+                # isolation_level=None: every statement commits on its own unless inside BEGIN/COMMIT.
+                self._wconn = self._connect()
+                self._prepare(self._wconn)
+                self._conn = self._connect()
+                break
+            except RecordStoreError:
+                self._close()
+                raise
+            except sqlite3.OperationalError as exc:
+                # Connections racing to put a new file into WAL mode can get SQLITE_BUSY at once,
+                # without the busy timeout (seen 3 times in 300 four-way opens on a loaded machine):
+                # open again until the timeout has passed.
+                if _busy(exc) and time.monotonic() < deadline:
+                    for conn in (self._wconn, self._conn):
+                        if conn is not None:
+                            conn.close()
+                    self._wconn = self._conn = None
+                    time.sleep(0.02)
+                    continue
+                self._close()
+                raise RecordStoreError(
+                    f"record file {self.path} is not a usable SQLite database: {exc}"
+                ) from None
+            except sqlite3.Error as exc:
+                self._close()
+                raise RecordStoreError(
+                    f"record file {self.path} is not a usable SQLite database: {exc}"
+                ) from None
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -580,10 +604,14 @@ class SqliteRecordStore(RecordStore):
             )
         except sqlite3.Error as exc:
             raise RecordStoreError(f"cannot open record file {self.path}: {exc}") from None
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        if self.checkpoint_bytes:
-            conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread's job (class docstring)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            if self.checkpoint_bytes:
+                conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread's job (class docstring)
+        except sqlite3.Error:
+            conn.close()
+            raise
         return conn
 
     def _written(self, nbytes: int) -> None:

@@ -74,9 +74,12 @@ def test_the_viewer_of_a_gateway_on_postgresql_lists_every_replicas_records(pg_s
     core.store.close()
 
 
-def test_a_gateway_whose_postgresql_does_not_answer_starts_not_ready(tmp_path: Path) -> None:
+def test_a_gateway_whose_postgresql_does_not_answer_starts_not_ready(tmp_path: Path, monkeypatch) -> None:
     from conftest import find_free_port
 
+    from services.coordinator import service
+
+    monkeypatch.setattr(service, "RECORDS_CONNECT_TIMEOUT_SECONDS", 1.0)  # each attempt's wait, not 5 s
     url = f"postgresql://bcstack:Hidden-Pa55@127.0.0.1:{find_free_port()}/bcstack"
     settings = CoordinatorSettings(coordinator_url="http://127.0.0.1:9/v1", records_url=url)
     app, _, core = build(settings)

@@ -444,7 +444,7 @@ def test_a_postgresql_that_does_not_answer_is_one_line_without_the_password(tmp_
 def test_a_wrong_password_is_refused_without_echoing_it(pg_server):  # noqa: F811
     url = pg_server.url.replace(pg_server.password, "Wr0ng-Pa55word")
     with pytest.raises(RecordStoreError) as excinfo:
-        open_record_store(url)
+        open_record_store(url, connect_timeout=1)  # the pool's retries would wait the 10 s default
     message = str(excinfo.value)
     assert "Wr0ng-Pa55word" not in message and "password authentication failed" in message
 

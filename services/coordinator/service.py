@@ -324,6 +324,10 @@ def build(settings: CoordinatorSettings) -> tuple[FastAPI, GrpcServer | None, Ga
     return app, server, core
 
 
+# How long one attempt to reach the record database waits (at start, then every 2 s until it answers).
+RECORDS_CONNECT_TIMEOUT_SECONDS = 5.0
+
+
 def open_store(settings: CoordinatorSettings) -> RecordStore:
     """The gateway's record store: PostgreSQL when `records_url` is set, else the SQLite file.
 
@@ -334,7 +338,9 @@ def open_store(settings: CoordinatorSettings) -> RecordStore:
         return SqliteRecordStore(settings.records_path)
     from core.record_store_pg import PostgresRecordStore
 
-    store = PostgresRecordStore(settings.records_url.get_secret_value(), wait=False, connect_timeout=5)
+    store = PostgresRecordStore(
+        settings.records_url.get_secret_value(), wait=False, connect_timeout=RECORDS_CONNECT_TIMEOUT_SECONDS
+    )
     try:
         store.connect()
     except SchemaTooNew:
