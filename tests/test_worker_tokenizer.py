@@ -1,6 +1,6 @@
 """services/worker/tokenizer.py: the worker's tokenizer read from tokenizer.json gives transformers'
 ids and text on the tiny kit's tokenizer, falls back to transformers where the files ask for what it
-does not do, and keeps torch and transformers out of a worker's start."""
+does not do, and keeps torch and transformers out of the start of a worker and of a scripted engine."""
 
 from __future__ import annotations
 
@@ -103,3 +103,22 @@ def test_a_worker_starts_without_torch_or_transformers(kit: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_scripted_engine_starts_without_torch_or_transformers(kit: Path) -> None:
+    """The CPU engine's scripted policies (the expert of every toy stack) read the tokenizer the same
+    way; a model engine still loads transformers' tokenizer, as SGLang does."""
+    code = (
+        "import asyncio, sys\n"
+        "from services.engine.core import EngineCore\n"
+        "from services.engine.settings import EngineSettings\n"
+        f"core = EngineCore(EngineSettings(policy='expert', tokenizer={str(kit)!r}))\n"
+        "asyncio.run(core.start())\n"
+        "assert core.state == 'ready', core.failure\n"
+        "print(type(core.tokenizer).__name__, core.context_length)\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((kit / "tokenizer_config.json").read_text())
+    assert done.stdout.split("\n")[:2] == [f"FileTokenizer {config['model_max_length']}", "[]"]

@@ -12,16 +12,18 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from services.engine import protocol as proto
 from services.engine.metrics import EngineMetrics
-from services.engine.models import TransformersModel, WeightLoadError
-from services.engine.sampling import new_generator
+from services.engine.model_api import WeightLoadError
 from services.engine.scheduler import PauseMode, QueueFull, Scheduler
 from services.engine.scripted import POLICIES, ScriptedModel
 from services.engine.sequence import Sequence
 from services.engine.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from services.engine.models import TransformersModel
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,15 @@ def check_world(world: Path) -> str | None:
     return None
 
 
-def _load_tokenizer(path: Path) -> Any:
+def _load_tokenizer(path: Path, *, scripted: bool = False) -> Any:
+    """transformers' tokenizer, as SGLang loads it; a scripted policy's from tokenizer.json alone where
+    that gives the same answers (`core.tokenizer`): its engine then never imports torch."""
+    if scripted:
+        from core.tokenizer import load_file_tokenizer
+
+        tokenizer = load_file_tokenizer(path)
+        if tokenizer is not None:
+            return tokenizer
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
@@ -81,12 +91,14 @@ class EngineCore:
     def _load(self) -> tuple[Any, TransformersModel | ScriptedModel]:
         """Blocking: the tokenizer and the token model (run off the event loop)."""
         s = self.settings
-        tokenizer = _load_tokenizer(Path(self.tokenizer_path))
+        tokenizer = _load_tokenizer(Path(self.tokenizer_path), scripted=s.policy is not None)
         if s.policy is not None:
             limit = int(getattr(tokenizer, "model_max_length", 0) or 0)
             limit = limit if 0 < limit < 10**9 else s.max_context_length
             return tokenizer, ScriptedModel(POLICIES[s.policy](), tokenizer, s.policy, limit)
         assert s.model is not None
+        from services.engine.models import TransformersModel
+
         model = TransformersModel.load(s.model, tokenizer, s.dtype, s.prefix_cache_tokens)
         small = model.parameter_count < SMALL_MODEL_PARAMETERS
         self.torch_threads = s.torch_threads or (1 if small else None)
@@ -113,7 +125,7 @@ class EngineCore:
         )
         self.scheduler.start()
         self.state = "ready"
-        if isinstance(self.model, TransformersModel) and s.prefix_cache_tokens:
+        if not isinstance(self.model, ScriptedModel) and s.prefix_cache_tokens:
             mib = s.prefix_cache_tokens * self.model.kv_bytes_per_token() / 2**20
             log.info("prefix cache: KV of up to %d tokens (%.0f MiB)", s.prefix_cache_tokens, mib)
         log.info(
@@ -172,7 +184,7 @@ class EngineCore:
             prompt_ids=prompt,
             eos_token_ids=self.model.eos_token_ids,
             tokenizer=self.tokenizer,
-            generator=new_generator(request.sampling.sampling_seed),
+            generator=self._generator(request.sampling.sampling_seed),
             stop_token_lengths=max(stop_lengths, default=0),
             weight_version=scheduler.weight_version,
         )
@@ -181,6 +193,14 @@ class EngineCore:
         except QueueFull as e:
             raise EngineUnavailable(str(e)) from None
         return seq
+
+    def _generator(self, seed: int | None) -> Any:
+        """The request's torch generator (services.engine.sampling); a scripted policy draws nothing."""
+        if isinstance(self.model, ScriptedModel):
+            return None
+        from services.engine.sampling import new_generator
+
+        return new_generator(seed)
 
     def abort(self, seq: Sequence, message: str = "The client went away.") -> None:
         if self.scheduler is not None:
@@ -296,6 +316,8 @@ class EngineCore:
                 return UpdateResult(False, f"Failed to get weights iterator: {path} is not a folder.")
             install = _nothing
         else:
+            from services.engine.models import TransformersModel
+
             assert isinstance(self.model, TransformersModel)
             try:
                 new = await asyncio.to_thread(

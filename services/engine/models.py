@@ -38,32 +38,18 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from services.engine.model_api import Choice, TokenModel, WeightLoadError
 from services.engine.prefix_cache import PrefixCache
 from services.engine.sampling import sample_token, token_logprobs
 from services.engine.sequence import Sequence
 
+__all__ = ["Choice", "TokenModel", "TransformersModel", "WeightLoadError", "eos_ids_of"]
+
 log = logging.getLogger(__name__)
-
-Choice = tuple[int, float]
-
-
-class TokenModel(Protocol):
-    model_path: str
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    max_position_embeddings: int
-
-    def prefill(self, seq: Sequence) -> Choice | None: ...
-
-    def decode(self, seqs: list[Sequence]) -> list[Choice]: ...
-
-
-class WeightLoadError(RuntimeError):
-    """A checkpoint that cannot be loaded (or cannot replace the one being served)."""
 
 
 def eos_ids_of(model_dir: Path, config: Any, tokenizer: Any) -> frozenset[int]:

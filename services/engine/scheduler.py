@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from services.engine import protocol as proto
 from services.engine.metrics import EngineMetrics
-from services.engine.models import TokenModel
+from services.engine.model_api import TokenModel
 from services.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)

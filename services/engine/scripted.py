@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from devkit.modelkit.tokenizer import IM_END, IM_START
-from services.engine.models import Choice
+from services.engine.model_api import Choice
 from services.engine.sequence import Sequence
 
 Message = dict[str, str]
