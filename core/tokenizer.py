@@ -71,38 +71,29 @@ def _named_specials(config: dict[str, Any]) -> Iterator[str]:
             yield content
 
 
-def file_tokenizer_reason(folder: Path) -> str | None:
-    """Why `folder`'s tokenizer must go through transformers; None when its tokenizer.json serves."""
-    if not (folder / "tokenizer.json").is_file():
-        return "no tokenizer.json"
-    config_file = folder / "tokenizer_config.json"
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    except (OSError, ValueError) as exc:
-        return f"{config_file.name} is unreadable ({exc})"
-    if config.get("clean_up_tokenization_spaces"):
-        return "clean_up_tokenization_spaces is set"
-    return None
-
-
 def load_file_tokenizer(path: str | Path) -> FileTokenizer | None:
-    """`path`'s tokenizer read from its tokenizer.json; None where only transformers gives its answers."""
+    """`path`'s tokenizer read from its tokenizer.json; None where only transformers gives its answers
+    (the module docstring says when; an unreadable config too: transformers then says what is wrong)."""
     folder = Path(path)
     if not folder.is_dir():
         raise TokenizerError(f"tokenizer {folder}: not a folder (give the served checkpoint's folder)")
-    reason = file_tokenizer_reason(folder)
-    if reason is None:
-        from tokenizers import Tokenizer
-
-        file = folder / "tokenizer.json"
-        try:
-            backend = Tokenizer.from_file(str(file))
-        except Exception as exc:  # tokenizers raises plain Exception subclasses with long messages
-            detail = " ".join(str(exc).split())[:200]
-            raise TokenizerError(f"tokenizer {file} cannot be loaded: {detail}") from None
-        config_file = folder / "tokenizer_config.json"
+    file, config_file = folder / "tokenizer.json", folder / "tokenizer_config.json"
+    if not file.is_file():
+        return None
+    try:
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        if all(backend.token_to_id(token) is not None for token in _named_specials(config)):
-            limit = config.get("model_max_length")
-            return FileTokenizer(backend, str(file), limit if isinstance(limit, int) else None)
-    return None
+    except (OSError, ValueError):
+        return None
+    if config.get("clean_up_tokenization_spaces"):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        backend = Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises plain Exception subclasses with long messages
+        detail = " ".join(str(exc).split())[:200]
+        raise TokenizerError(f"tokenizer {file} cannot be loaded: {detail}") from None
+    if any(backend.token_to_id(token) is None for token in _named_specials(config)):
+        return None
+    limit = config.get("model_max_length")
+    return FileTokenizer(backend, str(file), limit if isinstance(limit, int) else None)
