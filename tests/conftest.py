@@ -223,6 +223,18 @@ def _session_root(tmp_path_factory) -> Path:
     return shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
 
 
+@pytest.fixture(scope="module")
+def forked_services():
+    """`bcstack.stack.up` and `restart` fork the services of this module's stacks from a process that
+    has imported them (stack_util.forked_stacks): the same commands, ~1-6 s of imports fewer each.
+    For modules whose subject is not how a stack's processes start (tests/test_eval_stack.py's is,
+    and keeps `python -m bcstack`). Use: `pytestmark = pytest.mark.usefixtures("forked_services")`."""
+    from stack_util import forked_stacks
+
+    with forked_stacks():
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_kit(tmp_path_factory) -> Callable[..., Path]:
     """`tiny_kit(dest, seed=0)`: a private copy at `dest` of the default tiny kit of that seed

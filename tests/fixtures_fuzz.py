@@ -59,7 +59,9 @@ def started_stack(kit: Path, work: Path, timeout: float = 180) -> Iterator[FuzzS
         specs = [(p.args, p.health_url) for p in layout]
         with contextlib.ExitStack() as running:
             try:
-                procs = running.enter_context(bcstack_processes(specs, timeout=timeout, env=STACK_ENV))
+                procs = running.enter_context(
+                    bcstack_processes(specs, timeout=timeout, env=STACK_ENV, forked=True)
+                )
             except ProcessExited as exc:
                 if "address already in use" in str(exc) and attempt < PORT_ATTEMPTS:
                     continue

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import find_free_port
 
 
@@ -175,10 +176,16 @@ def warm_forkserver() -> None:
 
 
 def _as_new_process(
-    env: dict[str, str], stdout: str, stderr: str, whole_env: bool = False, new_session: bool = False
+    env: dict[str, str],
+    stdout: str,
+    stderr: str,
+    whole_env: bool = False,
+    new_session: bool = False,
+    append: bool = False,
 ) -> None:
     """`whole_env`: `env` is the whole environment (the caller's now, not the forkserver's at its start);
-    `new_session`: a session and process group of its own, as `Popen(start_new_session=True)`."""
+    `new_session`: a session and process group of its own, as `Popen(start_new_session=True)`;
+    `append`: the output goes on at the end of the files instead of replacing them."""
     if new_session:
         os.setsid()
     if whole_env:
@@ -193,7 +200,7 @@ def _as_new_process(
         if fd == 2 and path == stdout:
             os.dup2(1, 2)  # one log, one file offset: the two streams interleave as with STDOUT
             continue
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o600)
         os.dup2(target, fd)
         os.close(target)
 
@@ -205,8 +212,9 @@ def _bcstack_main(
     stderr: str,
     whole_env: bool = False,
     new_session: bool = False,
+    append: bool = False,
 ) -> None:
-    _as_new_process(env, stdout, stderr, whole_env, new_session)
+    _as_new_process(env, stdout, stderr, whole_env, new_session, append)
     sys.argv = ["bcstack", *args]
     from bcstack.cli import main
 
@@ -255,13 +263,18 @@ class ForkedPopen:
     """A long-running `bcstack ARGS` (a server) forked from the forkserver, with the part of
     `subprocess.Popen` that `BcstackProcess` uses; stdout and stderr go to `log_path`. `env` is the
     whole environment: the child gets the caller's environment of now, as `Popen` would;
-    `new_session` as `Popen(start_new_session=True)`."""
+    `new_session` as `Popen(start_new_session=True)`; `append`: the log goes on instead of restarting."""
 
     def __init__(
-        self, args: Sequence[str], env: dict[str, str], log_path: Path, new_session: bool = False
+        self,
+        args: Sequence[str],
+        env: dict[str, str],
+        log_path: Path,
+        new_session: bool = False,
+        append: bool = False,
     ) -> None:
         self.args = ["bcstack", *args]
-        given = (list(args), dict(env), str(log_path), str(log_path), True, new_session)
+        given = (list(args), dict(env), str(log_path), str(log_path), True, new_session, append)
         self._proc = _forkserver().Process(target=_bcstack_main, args=given, daemon=True)
         self._proc.start()
         self.pid = self._proc.pid
@@ -288,6 +301,25 @@ class ForkedPopen:
         if self._proc.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self._proc.exitcode
+
+
+def forked_service(
+    args: list[str], env: dict[str, str], log_path: Path, *, append: bool = False
+) -> ForkedPopen:
+    """`bcstack.stack.start_service` forked (`ForkedPopen`): a stack service of its own process group
+    with the environment and log `up` and `restart` give it, without the ~1-6 s of imports each."""
+    return ForkedPopen(args, env, log_path, new_session=True, append=append)
+
+
+@contextlib.contextmanager
+def forked_stacks() -> Iterator[None]:
+    """While open, `bcstack.stack.up` and `restart` (called in this process) fork their services."""
+    from bcstack import stack
+
+    warm_forkserver()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stack, "start_service", forked_service)
+        yield
 
 
 def bcstack_forked(

@@ -37,11 +37,13 @@ from conftest import LOOPBACK, find_free_port, wait_until
 from helm_harness import ONE_COMPONENT, chart_defaults, render_chart
 from prom_util import alerts, dashboard_queries, metric_names_in, prometheus, query
 from prometheus_client.parser import text_string_to_metric_families
-from stack_util import ForkedPopen
 
 from bcstack import dashboards
-from bcstack.stack import down, read_state, up
+from bcstack.stack import down, read_state, restart, up
 from trainer.sinks import RunSinks
+
+# This module's stacks fork their services (conftest.forked_services).
+pytestmark = pytest.mark.usefixtures("forked_services")
 
 RELEASE = "bc"
 JOBS = {  # stack service -> the job its chart ServiceMonitor scrapes it as
@@ -130,28 +132,12 @@ def wait_resolved(api: str, name: str, timeout: float = 90, **labels: str) -> No
     )
 
 
-def _kill(state: Path, name: str) -> list[str]:
-    """SIGKILL one service of the stack; its command line, to start it again."""
+def _kill(state: Path, name: str) -> None:
+    """SIGKILL one service of the stack (its process group): no shutdown code runs."""
     pid = read_state(state)["services"][name]["pid"]
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
     os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
+    with contextlib.suppress(ChildProcessError):  # a forked service is the forkserver's child
         os.waitpid(pid, 0)
-    return [a.decode() for a in argv]
-
-
-def _start(state: Path, name: str, argv: list[str]) -> None:
-    """Start `argv` (`python -m bcstack ARGS`) again: `bcstack ARGS` forked from the forkserver
-    (stack_util), which skips the seconds of imports, in a process group of its own as `up` starts it."""
-    token = (state / "admin-token").read_text().strip()
-    args = argv[argv.index("bcstack") + 1 :]
-    log = state / "logs" / f"{name}.restarted.log"
-    proc = ForkedPopen(args, {**os.environ, "BCSTACK_ADMIN_TOKEN": token}, log, new_session=True)
-    info = json.loads((state / "stack.json").read_text())
-    info["services"][name]["pid"] = proc.pid  # so `bcstack down` stops the new process
-    (state / "stack.json").write_text(json.dumps(info, indent=2) + "\n")
-    http = info["services"][name]["http"]
-    wait_until(lambda: httpx.get(f"{http}/health", timeout=2).status_code == 200, timeout=120, message=name)
 
 
 @pytest.fixture(scope="module")
@@ -205,14 +191,14 @@ def test_no_alert_fires_on_the_healthy_stack(live):
 
 def test_retrieval_killed_fires_target_down_and_restarting_it_resolves_it(live):
     api, state = live["api"], live["state"]
-    argv = _kill(state, "retrieval")
+    _kill(state, "retrieval")
     try:
         alert = wait_firing(api, "BcstackTargetDown", job=JOBS["retrieval"])
         assert alert["labels"]["severity"] == "critical"
         assert alert["labels"]["instance"] == live["services"]["retrieval"]["http"].removeprefix("http://")
         assert alert["annotations"]["runbook"] == "docs/operating.md, Alerts > BcstackTargetDown"
     finally:
-        _start(state, "retrieval", argv)
+        restart(state, "retrieval", say=lambda s: None)  # `bcstack restart`: its own command line
     wait_resolved(api, "BcstackTargetDown", job=JOBS["retrieval"])
 
 

@@ -317,21 +317,32 @@ def test_every_bench_that_writes_results_checks_the_checkout_with_its_dirty_ok_f
         )
 
 
-@pytest.mark.slow  # ~7 s: every such bench's --help in a subprocess (bench/trainer.py imports torch)
+def _help_of(script: Path) -> str:
+    """`python bench/NAME.py --help`'s output, run in this process (`runpy`, as `__main__`, with bench/
+    first on sys.path as a script has it): a process per bench spent ~1 s of CPU each on imports this
+    one has made already. test_the_rl_variants_read_dev_and_test_only_with_final runs one bench's --help
+    as a process of its own."""
+    import contextlib
+    import io
+    import runpy
+
+    out = io.StringIO()
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(out),
+    ):
+        patch.setattr(sys, "argv", [str(script), "--help"])
+        patch.syspath_prepend(str(script.parent))
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code in (0, None), f"{script.name} --help: {out.getvalue()[-2000:]}"
+    return out.getvalue()
+
+
 def test_every_bench_that_writes_results_lists_dirty_ok_in_its_help():
-    runs = {
-        name: subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--help"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for name in WRITERS
-    }
-    for name, proc in runs.items():
-        out = proc.communicate(timeout=120)[0]
-        assert proc.returncode == 0, f"bench/{name}.py --help: {out[-2000:]}"
+    for name in WRITERS:
+        out = _help_of(ROOT / "bench" / f"{name}.py")
         options = out.split("\noptions:\n", 1)[-1]  # past the description, which may name the flag too
         assert re.search(r"^\s+--dirty-ok\s", options, re.M), f"bench/{name}.py --help lists no --dirty-ok"
 

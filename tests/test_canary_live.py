@@ -28,6 +28,9 @@ from bcstack.stack import down, up
 from trainer.sft import SFTConfig, train_sft
 from trainer.sft_data import SourceSpec, build_mixture, load_record_samples
 
+# This module's stacks fork their services (conftest.forked_services).
+pytestmark = pytest.mark.usefixtures("forked_services")
+
 runner = CliRunner()
 # Short observations keep the trajectories (and so the training) short; short turns keep a broken
 # model's episodes short. Both stacks use the same settings, so the good model sees its training

@@ -69,8 +69,10 @@ def gateways_on(url: str, tmp_path: Path, n: int, *, log_level: str = "WARNING")
     ]
     try:
         with (
-            bcstack_process(["serve", "coordinator-llm", "--port", str(ports["llm"])], llm + "/health"),
-            bcstack_processes(specs) as gateways,
+            bcstack_process(
+                ["serve", "coordinator-llm", "--port", str(ports["llm"])], llm + "/health", forked=True
+            ),
+            bcstack_processes(specs, forked=True) as gateways,
             contextlib.ExitStack() as fronts,
         ):
             front = None

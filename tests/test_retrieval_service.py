@@ -293,7 +293,7 @@ def test_killed_ingest_resumes_without_duplicates(world_dir, tmp_path):
     assert 0 < partial < n
     manifest = json.loads((index / "manifest.json").read_text())
     assert manifest["complete"] is False
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = bcstack_forked(cmd[3:])  # the resumed ingest, forked as the killed one was
     assert result.returncode == 0, result.stderr
     assert f"{n - partial:,} added, {partial:,} resumed" in result.stderr
     with sqlite3.connect(index / "docstore.sqlite") as conn:

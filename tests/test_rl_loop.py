@@ -38,6 +38,9 @@ from bcstack.stack import down, setting_flags, up
 from core.records import EpisodeRecord
 from trainer.checkpoint import load_model_state
 
+# This module's stacks fork their services (conftest.forked_services).
+pytestmark = pytest.mark.usefixtures("forked_services")
+
 REQUIRED = (
     "update",
     "weight_version",

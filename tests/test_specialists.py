@@ -103,7 +103,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_kit) -> dict:
          f"http://127.0.0.1:{port}/health_generate", ENV)
         for model, port in zip((base, base, kit), ports, strict=True)
     ]  # fmt: skip
-    with bcstack_processes(specs, timeout=180):
+    with bcstack_processes(specs, timeout=180, forked=True):
         student, teacher_base, teacher_kit = (f"http://127.0.0.1:{p}" for p in ports)
         yield {
             "root": root,

@@ -25,6 +25,9 @@ from bcstack.pgserver import PostgresServer
 from bcstack.smoke import from_state
 from bcstack.stack import StackError, down, up
 
+# This module's stacks fork their services (conftest.forked_services).
+pytestmark = pytest.mark.usefixtures("forked_services")
+
 runner = CliRunner()
 
 

@@ -40,6 +40,9 @@ from trainer.grpo import (
 )
 from trainer.packing import pack, per_token_logprobs
 
+# This module's stacks fork their services (conftest.forked_services).
+pytestmark = pytest.mark.usefixtures("forked_services")
+
 runner = CliRunner()
 
 
