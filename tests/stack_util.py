@@ -205,16 +205,9 @@ def _as_new_process(
         os.close(target)
 
 
-def _bcstack_main(
-    args: list[str],
-    env: dict[str, str],
-    stdout: str,
-    stderr: str,
-    whole_env: bool = False,
-    new_session: bool = False,
-    append: bool = False,
-) -> None:
-    _as_new_process(env, stdout, stderr, whole_env, new_session, append)
+def _bcstack_main(args: list[str], env: dict[str, str], stdout: str, stderr: str, *options: bool) -> None:
+    """`bcstack ARGS` in the forked child; `options` (whole_env, new_session, append) as `_as_new_process`."""
+    _as_new_process(env, stdout, stderr, *options)
     sys.argv = ["bcstack", *args]
     from bcstack.cli import main
 
