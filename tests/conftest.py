@@ -226,12 +226,16 @@ def _session_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def forked_services():
     """`bcstack.stack.up` and `restart` fork the services of this module's stacks from a process that
-    has imported them (stack_util.forked_stacks): the same commands, ~1-6 s of imports fewer each.
+    has imported them (stack_util.forked_service): the same commands, ~1-6 s of imports fewer each.
     For modules whose subject is not how a stack's processes start (tests/test_eval_stack.py's is,
     and keeps `python -m bcstack`). Use: `pytestmark = pytest.mark.usefixtures("forked_services")`."""
-    from stack_util import forked_stacks
+    from stack_util import forked_service, warm_forkserver
 
-    with forked_stacks():
+    from bcstack import stack
+
+    warm_forkserver()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stack, "start_service", forked_service)
         yield
 
 

@@ -26,7 +26,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
-import pytest
 from conftest import find_free_port
 
 
@@ -302,17 +301,6 @@ def forked_service(
     """`bcstack.stack.start_service` forked (`ForkedPopen`): a stack service of its own process group
     with the environment and log `up` and `restart` give it, without the ~1-6 s of imports each."""
     return ForkedPopen(args, env, log_path, new_session=True, append=append)
-
-
-@contextlib.contextmanager
-def forked_stacks() -> Iterator[None]:
-    """While open, `bcstack.stack.up` and `restart` (called in this process) fork their services."""
-    from bcstack import stack
-
-    warm_forkserver()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stack, "start_service", forked_service)
-        yield
 
 
 def bcstack_forked(
