@@ -16,6 +16,13 @@ SGLang (`srt/layers/sampler.py`, `Sampler.forward`, default settings):
 Each request draws from its own `torch.Generator`, seeded with `sampling_seed` when given, so a
 seeded request gives the same tokens whatever else is in the batch (up to float round-off in
 the batched forward pass).
+
+The draw is the same distribution as SGLang's, made with less work: one uniform number placed
+on the survivors' cumulative sum, where `torch.multinomial` draws an exponential number for every
+vocabulary entry; and when the filters keep a few tokens, the candidates are the `topk` of a
+short prefix instead of a sort of the whole vocabulary (a row of 4,101 tokens on the 2-core CI
+machine, 2026-12-07: multinomial 162 µs, the sort 82 µs, a whole sampled token 609 µs;
+bench/engine_sampling.py measures both ways side by side).
 """
 
 from __future__ import annotations
@@ -35,11 +42,12 @@ def new_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
-def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """`probs` (1-D) with the tokens top-k, top-p and min-p drop set to zero (not renormalised)."""
-    if top_k == -1 and top_p >= 1.0 and min_p <= 0.0:
-        return probs
-    sorted_probs, order = probs.sort(descending=True)
+PREFIX = 64  # candidates tried before sorting the whole row: a trained model's top-p mass is in them
+
+
+def _drop(sorted_probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Which of these probabilities, sorted descending (the head of a row), the filters drop:
+    rank >= top_k, the mass ranked above > top_p, p < min_p * p_max; never the first."""
     drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
     if top_k != -1:
         drop[top_k:] = True
@@ -49,8 +57,42 @@ def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     if min_p > 0.0:
         drop |= sorted_probs < sorted_probs[0] * min_p
     drop[0] = False  # the most likely token always survives
-    kept = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter(0, order, kept)
+    return drop
+
+
+def survivors(
+    probs: torch.Tensor, top_k: int, top_p: float, min_p: float
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(ids, weights): the tokens the filters keep and their probabilities (the dropped ones'
+    weights are zero); ids None means every token, in vocabulary order (no filter).
+
+    Only the head of the sorted row can survive, so the `PREFIX` most likely tokens are taken
+    first (`topk`); the whole row is sorted only when the filters may keep a token past them.
+    """
+    if top_k == -1 and top_p >= 1.0 and min_p <= 0.0:
+        return None, probs
+    width = probs.shape[0] if top_k == -1 else min(top_k, probs.shape[0])
+    if width > PREFIX:
+        head, ids = probs.topk(PREFIX)
+        # Every token past the head is dropped when the head's mass already exceeds top_p (with a
+        # margin for the rounding of the two sums), or its last probability is below min_p's bar.
+        if (top_p < 1.0 and float(head.sum()) > top_p + 1e-4) or (min_p > 0.0 and head[-1] < head[0] * min_p):
+            return ids, head.masked_fill(_drop(head, top_k, top_p, min_p), 0.0)
+        head, ids = probs.sort(descending=True)
+    else:
+        head, ids = probs.topk(width)
+    return ids, head.masked_fill(_drop(head, top_k, top_p, min_p), 0.0)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """An index of `weights` (1-D, not negative, not all zero) with probability proportional to its
+    weight: one uniform number from `generator` placed on their cumulative sum."""
+    cumulative = weights.double().cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, u, right=True))
+    if index >= weights.shape[0]:  # u rounded up to the total: the last token with weight
+        index = int(weights.nonzero()[-1])
+    return index
 
 
 def clamp_logprob(value: float) -> float:
@@ -76,8 +118,9 @@ def sample_token(
         token = int(torch.argmax(logits))
         return token, clamp_logprob(float(torch.log_softmax(logits, dim=-1)[token]))
     logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
-    weights = filter_probs(logprobs.exp(), params.top_k, params.top_p, params.min_p)
-    token = int(torch.multinomial(weights, 1, generator=generator))
+    ids, weights = survivors(logprobs.exp(), params.top_k, params.top_p, params.min_p)
+    index = draw(weights, generator)
+    token = index if ids is None else int(ids[index])
     return token, clamp_logprob(float(logprobs[token]))
 
 
