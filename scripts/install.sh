@@ -19,7 +19,7 @@ BASE=${BASE_PYTHON:-python3}
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 export PIP_ROOT_USER_ACTION=ignore
-PIP=("$PY" -m pip install --disable-pip-version-check -q -c constraints.txt)
+PIP=("$PY" -m pip install --disable-pip-version-check -q --no-compile -c constraints.txt)
 
 apt_install() {  # the Debian packages of "$@" that are missing
   local missing=() pkg
@@ -99,7 +99,7 @@ fi
 # initdb); haproxy: the front `bcstack up --gateways N` balances them with. The demo needs none.
 # And checkov, the IaC scanner the chart's presets are checked with (tests/test_chart_presets.py), goes in
 # an environment of its own under .cache/tools: its pins (packaging, networkx, ...) would otherwise
-# move this package's. Both run beside steps 3-6 (`beside`, above).
+# move this package's. Both run beside steps 3-8 (`beside`, above).
 CHECKOV_VERSION=3.3.30
 CHECKOV=.cache/tools/checkov
 install_checkov() {
@@ -114,7 +114,20 @@ if [ "$FOR" = test ]; then
   fi
 fi
 
-# 3. torch first, the CPU build, before anything that depends on it.
+# 3. pip itself at the pinned version (constraints.txt): the pip a new venv starts with (ensurepip's,
+# 23.2 with Python 3.11.7) took 58.6 s of the 2-core box to install this package's dependencies
+# with nothing compiled, pip 26.3 41.4 s. And steps 4-5 install without compiling (`--no-compile`):
+# step 6 compiles what they wrote on every core, where pip compiles one file after another (torch
+# and the dependencies took 17.9 + 86.5 s with pip's compiling, 5.5 + 58.6 s without; 2026-12-07).
+# From nothing, both together: bench/results/install.md.
+want_pip=$(sed -n 's/^pip==//p' constraints.txt)
+if [ "$("$PY" -m pip --version 2>/dev/null | cut -d' ' -f2)" != "$want_pip" ]; then
+  "$PY" -m pip install --disable-pip-version-check -q -c constraints.txt "pip==$want_pip"
+fi
+INSTALLED=$(mktemp)  # what pip writes after this is newer: step 6 compiles it
+trap 'rm -f "$INSTALLED"; wait' EXIT
+
+# 4. torch first, the CPU build, before anything that depends on it.
 want_torch=$(sed -n 's/^torch==//p' constraints.txt)
 have_torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
 if [ "$have_torch" != "$want_torch" ]; then
@@ -122,11 +135,22 @@ if [ "$have_torch" != "$want_torch" ]; then
   "${PIP[@]}" "torch==$want_torch"
 fi
 
-# 4. The package itself (editable, so `bcstack` runs this checkout) with its dev extras.
+# 5. The package itself (editable, so `bcstack` runs this checkout) with its dev extras.
+# (setuptools' build of the editable wheel warns that a folder named as a package may shadow it,
+# which is how an editable install works; pip 26 prints the build's warnings.)
 echo "install: browsecomp-stack and its dependencies"
-"${PIP[@]}" -e '.[all,dev]'
+PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e '.[all,dev]'
 
-# 5. Guard: nothing may have replaced the CPU torch or pulled torchvision.
+# 6. Bytecode for every Python file steps 4-5 wrote (none, and no time, when they installed nothing),
+# a compileall process per core on batches of files: where PYTHONDONTWRITEBYTECODE is set, a module
+# without it is compiled again at every import, in every process. As pip's own compiling, a file that
+# does not compile (a test fixture of some package) is passed over: it is not imported.
+SITES=$("$PY" -c 'import sysconfig; print("\n".join(sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})))')
+while IFS= read -r site; do
+  find "$site" -name '*.py' -cnewer "$INSTALLED" -print0
+done <<<"$SITES" | xargs -0 -r -P "$(nproc)" -n 2000 "$PY" -m compileall -qq || true
+
+# 7. Guard: nothing may have replaced the CPU torch or pulled torchvision.
 "$PY" - <<'PY'
 import importlib.util, sys
 import torch
@@ -136,10 +160,10 @@ if importlib.util.find_spec("torchvision") is not None:
     sys.exit("install: torchvision is installed; it does not import beside the CPU torch. pip uninstall torchvision")
 PY
 if [ "$FOR" = test ]; then
-  # 6. SGLang's wheels (the chart's pinned version and the newest release), for the contract tests:
+  # 8. SGLang's wheels (the chart's pinned version and the newest release), for the contract tests:
   # downloaded once into .cache/sglang/<version>/ with `pip download --no-deps`, never installed.
   "$PY" -m devkit.sglang.source
 fi
-# 7. What ran beside steps 3-6 (the Debian packages, checkov) has finished, and succeeded.
+# 9. What ran beside steps 3-8 (the Debian packages, checkov) has finished, and succeeded.
 wait_beside || { echo "install: a step run beside the Python packages failed (its output is above)" >&2; exit 1; }
 echo "install: done ($FOR, in $VENV)"
