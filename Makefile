@@ -44,7 +44,10 @@ demo: install  ## the main job on embedded defaults
 speedrun: install  ## the CPU learning proof: untrained -> SFT -> RL on held-out questions (~1 hour)
 	$(PYTHON) bench/speedrun.py --final $(SPEEDRUN_ARGS)
 
+# Bytecode for the checkout's packages first, once: where PYTHONDONTWRITEBYTECODE is set (as on the
+# CI machines) every process of the suite would compile the modules it imports again.
 test: install-test  ## the whole test suite
+	$(PYTHON) -m compileall -qq -j 0 bcstack core services trainer devkit
 	$(PYTHON) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 lint: install  ## ruff, and the layer contracts (import-linter, pyproject.toml)

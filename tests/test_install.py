@@ -58,7 +58,7 @@ def test_the_demo_installs_no_debian_package_and_the_tests_do():
     # `test`, started beside the Python packages before them and waited for before the install is done.
     assert apt_calls[0].startswith('apt_install "python$(') and len(apt_calls) == 2
     tests_apt = 'if [ "$FOR" = test ]; then\n  beside "Debian packages for the tests" apt_install '
-    assert script.index(tests_apt) < script.index("# 3. torch first")
+    assert script.index(tests_apt) < script.index("want_pip=") < script.index('"${PIP[@]}" "torch==')
     assert script.index("\nwait_beside ||") < script.index('echo "install: done')
 
 
