@@ -20,9 +20,10 @@ the batched forward pass).
 The draw is the same distribution as SGLang's, made with less work: one uniform number placed
 on the survivors' cumulative sum, where `torch.multinomial` draws an exponential number for every
 vocabulary entry; and when the filters keep a few tokens, the candidates are the `topk` of a
-short prefix instead of a sort of the whole vocabulary (a row of 4,101 tokens on the 2-core CI
-machine, 2026-12-07: multinomial 162 µs, the sort 82 µs, a whole sampled token 609 µs;
-bench/engine_sampling.py measures both ways side by side).
+short prefix instead of a sort of the whole vocabulary. On a row of the tiny kit's 4,101 tokens
+(2-core AMD EPYC, one thread, 2026-12-07) the sort took 53 µs, `torch.multinomial` 95 µs and
+`topk(64)` 12 µs; a sampled token at top-p 0.95 233 → 148 µs (a flat row) and 230 → 66 µs (a
+peaked one), at top-p 1 116 → 30 µs (bench/results/engine_sampling.md, both ways side by side).
 """
 
 from __future__ import annotations
