@@ -46,19 +46,15 @@ TOP_PS = (0.95, 1.0)
 
 
 def whole_row_sample(logits, params, generator, banned=()):
-    """The previous sampler: SGLang's torch path over the whole sorted row, torch.multinomial."""
+    """The previous sampler: SGLang's torch path over the whole sorted row, torch.multinomial (the
+    bench samples at temperature 1 with no banned token: the steps before the draw are those of
+    `sample_token`, and only the draw is compared)."""
     import torch
 
     from services.engine.sampling import clamp_logprob
 
-    logits = logits.float()
-    if banned:
-        logits = logits.clone()
-        logits[list(banned)] = float("-inf")
-    if params.greedy:
-        token = int(torch.argmax(logits))
-        return token, clamp_logprob(float(torch.log_softmax(logits, dim=-1)[token]))
-    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    assert not banned and not params.greedy, "the bench compares sampled draws only"
+    logprobs = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     probs = logprobs.exp()
     if params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0:
         sorted_probs, order = probs.sort(descending=True)
