@@ -145,10 +145,8 @@ PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e '.[all,dev]'
 # a compileall process per core on batches of files: where PYTHONDONTWRITEBYTECODE is set, a module
 # without it is compiled again at every import, in every process. As pip's own compiling, a file that
 # does not compile (a test fixture of some package) is passed over: it is not imported.
-SITES=$("$PY" -c 'import sysconfig; print("\n".join(sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})))')
-while IFS= read -r site; do
-  find "$site" -name '*.py' -cnewer "$INSTALLED" -print0
-done <<<"$SITES" | xargs -0 -r -P "$(nproc)" -n 2000 "$PY" -m compileall -qq || true
+find "$VENV/lib" -name '*.py' -cnewer "$INSTALLED" -print0 |
+  xargs -0 -r -P "$(nproc)" -n 2000 "$PY" -m compileall -qq || true
 
 # 7. Guard: nothing may have replaced the CPU torch or pulled torchvision.
 "$PY" - <<'PY'
