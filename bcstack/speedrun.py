@@ -270,6 +270,7 @@ def evaluate(
     concurrency: int,
     rounds: int = 1,
     worker_gold: bool = False,
+    seed: int | None = None,
 ) -> None:
     run_with_progress(
         questions,
@@ -282,6 +283,7 @@ def evaluate(
         budget=budget,
         label=label,
         worker_gold=worker_gold,
+        seed=seed,
     )
 
 
@@ -351,6 +353,30 @@ def gold_comparison(main: Path, other: Path, main_gold: bool) -> dict | None:
     }
 
 
+def seed_coupling(sft: Path, rl: Path, rl_other: Path, seed: int) -> dict | None:
+    """What evaluating both models with one seed does to their paired test: the RL model against the
+    SFT model with the same seeds (coupled, as the report's row) and with other seeds (independent),
+    and the RL model against itself under the two seed sets (only sampling noise can split those
+    pairs). None when the check was not run (--eval-seed-check)."""
+    from bcstack.evaluation.report import build_report
+
+    if not (rl_other / "judgements.jsonl").is_file():
+        return None
+
+    def paired(this: Path, baseline: Path) -> dict:
+        p = build_report(this, baseline).paired
+        keys = ("n", "improved", "regressed", "delta_pp", "mcnemar_p")
+        return {k: p[k] for k in keys} | {"delta_ci_pp": list(p["delta_ci_pp"])}
+
+    return {
+        "seed": seed,
+        "other_seed": seed + 1,
+        "coupled": paired(rl, sft),
+        "independent": paired(rl_other, sft),
+        "rl_against_itself": paired(rl_other, rl),
+    }
+
+
 def training_signal(sft_metrics: list[dict], rl: list[dict], window: int = 50) -> dict:
     """How well training fitted, beside what it scored: SFT's mean loss over its first and last
     `window` steps, and per RL update the sampled groups whose episodes all got one reward (no
@@ -412,6 +438,16 @@ def render_table(summary: dict) -> str:
             f"The gold bit, measured once: {c['this']} {c['correct'][0]}/{c['total']} vs {c['baseline']} "
             f"{c['correct'][1]}/{c['total']}: {c['delta_pp']:+.2f} pp ({lo:+.2f} to {hi:+.2f}), "
             f"exact McNemar p = {c['mcnemar_p']:.3g}; bounced with gold: {c['guard'][0].get('bounced', 0)}"
+        )
+    coupling = summary.get("seed_coupling")
+    if coupling:
+        c, i, a = coupling["coupled"], coupling["independent"], coupling["rl_against_itself"]
+        lines.append(
+            f"One seed for both models (--eval-seed {coupling['seed']}): SFT + RL vs SFT {c['improved']} "
+            f"improved / {c['regressed']} regressed, p = {c['mcnemar_p']:.3g}; with the RL model's seeds "
+            f"{coupling['other_seed']} instead: {i['improved']} / {i['regressed']}, "
+            f"p = {i['mcnemar_p']:.3g}; "
+            f"the RL model against itself under the two seeds: {a['improved']} / {a['regressed']}"
         )
     signal = summary.get("training_signal")
     if signal and signal["sft_loss_last"] is not None:
@@ -614,9 +650,27 @@ def _main(argv: list[str] | None) -> int:
         help="rounds per held-out question for the SFT and RL models (the untrained one gets 1); with more "
         "than 1 the report adds a question-level test",
     )
+    add(
+        "--eval-seed",
+        type=int,
+        default=None,
+        help="seed every evaluation's sampling from this, the question and the round (bcstack eval run "
+        "--seed), the same for every stage: the paired tests then compare the models with common random "
+        "numbers, so sampling noise alone splits fewer pairs (default: fresh entropy)",
+    )
+    add(
+        "--eval-seed-check",
+        action="store_true",
+        help="evaluate the RL model once more with --eval-seed + 1, and report its paired test against "
+        "SFT with independent seeds beside the coupled one (needs --eval-seed)",
+    )
     args = parser.parse_args(argv)
     if args.eval_rounds < 1:
         parser.error("--eval-rounds must be at least 1")
+    if args.eval_seed is not None and not 0 <= args.eval_seed < 2**53 - 1:
+        parser.error(f"--eval-seed must be in [0, 2**53 - 2]: {args.eval_seed}")
+    if args.eval_seed_check and args.eval_seed is None:
+        parser.error("--eval-seed-check compares two seed sets: give --eval-seed")
     for name in ("train_easy", "rl_easy", "train_medium", "rl_medium", "train_hard", "rl_hard", "rl_updates"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be 0 or more: {getattr(args, name)}")
@@ -731,13 +785,13 @@ def _main(argv: list[str] | None) -> int:
             info = _stack(state / "stack", str(kit), world, kit, index, settings, args.replicas)
             evaluate(
             "untrained", _urls(info), test_questions, evals["untrained"], budget, args.concurrency,
-            worker_gold=args.eval_worker_gold,
+            worker_gold=args.eval_worker_gold, seed=args.eval_seed,
         )  # fmt: skip
         tl.stage("eval sft", f"the SFT model on {len(test_questions)} held-out questions")
         info = _serve(state / "stack", sft_model, "sft", world, kit, index, settings, args.replicas)
         evaluate(
             "sft", _urls(info), test_questions, evals["sft"], budget, args.concurrency, args.eval_rounds,
-            worker_gold=args.eval_worker_gold,
+            worker_gold=args.eval_worker_gold, seed=args.eval_seed,
         )  # fmt: skip
 
         n = args.rl_updates
@@ -787,8 +841,15 @@ def _main(argv: list[str] | None) -> int:
         info = _serve(state / "stack", rl_model, rl_version, world, kit, index, settings, args.replicas)
         evaluate(
             "rl", _urls(info), test_questions, evals["rl"], budget, args.concurrency, args.eval_rounds,
-            worker_gold=args.eval_worker_gold,
+            worker_gold=args.eval_worker_gold, seed=args.eval_seed,
         )  # fmt: skip
+        other_seeds = state / f"eval-{split}-rl-other-seeds"
+        if args.eval_seed_check:
+            tl.stage("eval rl, other seeds", f"the RL model again with --eval-seed {args.eval_seed + 1}")
+            evaluate(
+                "rl-other-seeds", _urls(info), test_questions, other_seeds, budget, args.concurrency,
+                args.eval_rounds, worker_gold=args.eval_worker_gold, seed=args.eval_seed + 1,
+            )  # fmt: skip
         other = state / f"eval-{split}-rl-{'no-gold' if args.eval_worker_gold else 'gold'}"
         if args.final:
             # The gold bit, measured once: the same model and questions with the other guard setting.
@@ -796,7 +857,7 @@ def _main(argv: list[str] | None) -> int:
             tl.stage("eval rl, other guard", f"the RL model again, the gold answer {how} the workers' guard")
             evaluate(
                 "rl-other-guard", _urls(info), test_questions, other, budget, args.concurrency,
-                args.eval_rounds, worker_gold=not args.eval_worker_gold,
+                args.eval_rounds, worker_gold=not args.eval_worker_gold, seed=args.eval_seed,
             )  # fmt: skip
         down(state / "stack", say=lambda s: None)
 
@@ -811,6 +872,12 @@ def _main(argv: list[str] | None) -> int:
         rl_metrics = read_metrics(rl_out)
         summary["worker_gold"] = args.eval_worker_gold
         summary["worker_gold_comparison"] = gold_comparison(evals["rl"], other, args.eval_worker_gold)
+        summary["eval_seed"] = args.eval_seed
+        summary["seed_coupling"] = (
+            seed_coupling(evals["sft"], evals["rl"], other_seeds, args.eval_seed)
+            if args.eval_seed_check
+            else None
+        )
         summary["split"] = split
         summary["world_seed"] = args.world_seed
         summary["train_seed"] = args.train_seed

@@ -152,6 +152,25 @@ def speedrun_tables(report: dict[str, Any]) -> list[Table]:
                   c["guard"][0].get("bounced", 0)]],
             )
         )  # fmt: skip
+    coupling = report.get("seed_coupling")
+    if coupling:
+        tables.append(
+            Table(
+                f"One seed set for both models (--eval-seed {coupling['seed']}) against independent ones "
+                f"(the RL model again with seed {coupling['other_seed']})",
+                ["comparison", "pairs", "improved", "regressed", "Δ pp", "95% CI low pp", "95% CI high pp",
+                 "exact McNemar p"],
+                [[label, c["n"], c["improved"], c["regressed"], c["delta_pp"], c["delta_ci_pp"][0],
+                  c["delta_ci_pp"][1], c["mcnemar_p"]]
+                 for label, key in (("SFT + RL vs SFT, one seed set (the report's row)", "coupled"),
+                                    ("SFT + RL vs SFT, independent seeds", "independent"),
+                                    ("SFT + RL against itself, the two seed sets", "rl_against_itself"))
+                 for c in [coupling[key]]],
+                notes=["Common random numbers: with one seed per (question, round) both models draw the same "
+                       "uniforms token by token until their trajectories part, so pairs split where the "
+                       "models differ; the last row can split only by sampling noise."],
+            )
+        )  # fmt: skip
     seconds = report.get("seconds", {})
     tables.append(
         Table(
@@ -222,6 +241,8 @@ def recipe(report: dict[str, Any]) -> str:
         text += f", {a['rl_loss_aggregation']} loss"
     if a.get("rl_tiers", "easy,medium") != "easy,medium":
         text += f", RL on {a['rl_tiers']}"
+    if a.get("eval_seed", "None") != "None":  # an evaluation setting, but it changes the paired test
+        text += f", eval seed {a['eval_seed']}"
     # The number of documents changes the world itself; more hard train questions change what SFT sees.
     world = []
     if int(a.get("docs", 14_000)) != 14_000:

@@ -20,6 +20,7 @@ carry routes and statuses only.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,23 @@ import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 log = logging.getLogger(__name__)
+
+# The largest `sampling_seed` every hop carries exactly: a JSON number (the gateway's body) holds
+# integers up to 2**53 - 1 without rounding; SGLang keeps the seeds of a batch as int64.
+MAX_SEED = 2**53 - 1
+
+
+def derive_seed(seed: int, *parts: object) -> int:
+    """A seed for one draw below `seed` (a branch of an episode, a turn of a branch): stable across
+    runs and processes, different for different `parts`, in [0, MAX_SEED].
+
+    One episode seed fans out to many engine requests; each gets its own derived seed, so that no two
+    requests of an episode replay the same stream of uniforms, while two models run with the same
+    episode seed draw the same uniforms turn by turn (common random numbers: a paired comparison then
+    differs only where the models do)."""
+    digest = hashlib.sha256("\0".join(str(x) for x in (seed, *parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") & MAX_SEED
+
 
 # --- SGLang's names ---------------------------------------------------------------------------------
 # Every name below is checked against the source of each SGLang version the stack targets (the pin,

@@ -110,6 +110,35 @@ def test_the_speedrun_report_holds_the_three_rows_the_comparisons_and_the_commit
     }
 
 
+def test_a_seeded_run_files_its_coupled_and_independent_paired_tests_and_names_the_seed():
+    speedrun = _bench("speedrun")
+    report = copy.deepcopy(REPORT)
+    pair = {"n": 450, "delta_ci_pp": [0.5, 4.0], "delta_pp": 2.0}
+    report["seed_coupling"] = {
+        "seed": 0,
+        "other_seed": 1,
+        "coupled": {**pair, "improved": 14, "regressed": 5, "mcnemar_p": 0.064},
+        "independent": {**pair, "improved": 40, "regressed": 31, "mcnemar_p": 0.34},
+        "rl_against_itself": {**pair, "improved": 30, "regressed": 30, "delta_pp": 0.0, "mcnemar_p": 1.0},
+    }
+    rows = _table(
+        speedrun.render_speedrun(report),
+        "One seed set for both models (--eval-seed 0) against independent ones "
+        "(the RL model again with seed 1)",
+    )
+    assert [r[:4] for r in rows] == [
+        ["SFT + RL vs SFT, one seed set (the report's row)", "450", "14", "5"],
+        ["SFT + RL vs SFT, independent seeds", "450", "40", "31"],
+        ["SFT + RL against itself, the two seed sets", "450", "30", "30"],
+    ]
+    # The seed is part of the recipe's name (it groups runs), and a run without one names none.
+    args = {"sft_epochs": "4.5", "rl_updates": "18", "rl_minutes": "30.0", "rl_lr": "3e-05"}
+    seeded = {"settings": {"args": {**args, "eval_seed": "0"}}}
+    assert speedrun.recipe(seeded).endswith(", eval seed 0")
+    assert "eval seed" not in speedrun.recipe({"settings": {"args": {**args, "eval_seed": "None"}}})
+    assert "eval seed" not in speedrun.recipe({"settings": {"args": args}})
+
+
 @pytest.mark.parametrize("missing", ["Untrained tiny", "SFT", "SFT + RL"])
 def test_a_report_without_one_of_the_rows_is_not_filed(missing):
     report = copy.deepcopy(REPORT)

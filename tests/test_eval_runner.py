@@ -100,3 +100,42 @@ def test_the_report_calibrates_over_the_stated_confidences_only(eval_dir):
         "Calibration error (HLE-style RMS, β=100): 12.50% (calibration over 2 judgements with a stated "
         "confidence; 1 without one)"
     ) in render_markdown(report)
+
+
+def test_a_seeded_run_gives_each_question_and_round_its_own_seed_the_same_in_every_run(tmp_path, monkeypatch):
+    """--seed: the episode body carries worker_sampling.seed derived from (seed, question, round), so
+    two runs (two models) draw the same seeds pair by pair; a resume under another seed is refused."""
+    from bcstack.evaluation.runner import EvalRunError
+    from core.engine_client import derive_seed
+
+    bodies: list[dict] = []
+    inner = stack_transport([])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.path == "/v1/episodes":
+            bodies.append(json.loads(request.content))
+        return inner.handle_request(request)
+
+    client = httpx.AsyncClient
+    monkeypatch.setattr(
+        httpx, "AsyncClient", lambda **kw: client(transport=httpx.MockTransport(handle), **kw)
+    )
+
+    def seeds(out, seed):
+        bodies.clear()
+        runner = EvalRunner(out, "http://gateway", "http://judge", concurrency=1, seed=seed)
+        run_id, tasks = runner.prepare(QUESTIONS, rounds=2)
+        asyncio.run(runner.run(run_id, tasks))
+        return {
+            (b["question_id"], b["episode_id"][-1]): (b.get("worker_sampling") or {}).get("seed")
+            for b in bodies
+        }
+
+    first = seeds(tmp_path / "sft", 7)
+    assert first == {(q.query_id, str(r)): derive_seed(7, q.query_id, r) for q in QUESTIONS for r in (0, 1)}
+    assert len(set(first.values())) == 6
+    assert seeds(tmp_path / "rl", 7) == first  # another run id, the same seeds pair by pair
+    assert set(seeds(tmp_path / "other", 8).values()).isdisjoint(first.values())
+    assert set(seeds(tmp_path / "fresh", None).values()) == {None}  # no worker_sampling at all
+    with pytest.raises(EvalRunError, match="seed 7, not 8"):
+        EvalRunner(tmp_path / "sft", "http://gateway", "http://judge", seed=8).prepare(QUESTIONS, rounds=2)

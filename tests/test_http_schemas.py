@@ -128,6 +128,11 @@ def test_worker_sampling_and_the_gold_bit_reach_the_worker_request_as_asked():
     sent = worker_request(rl, "e.w0", "task", "prompt")
     assert sent.sampling.top_p == 1.0 and not sent.sampling.HasField("temperature")
     assert not sent.HasField("gold_answer")  # nothing of the gold answer reaches a worker
+    # A seed fans out: each branch its own, the same branch the same in every run of the request.
+    seeded = EpisodeRequest.model_validate({**base, "worker_sampling": {"seed": 5}})
+    first, second = (worker_request(seeded, f"e.w{i}", "task", "prompt", i).sampling.seed for i in (0, 1))
+    assert first != second and first != 5
+    assert worker_request(seeded, "other.w0", "task", "prompt", 0).sampling.seed == first
     # The gRPC request carries the same two fields, mapped onto the same model.
     message = json_format.ParseDict(
         {**base, "worker_sampling": {"top_p": 1.0}, "worker_gold": False},

@@ -26,7 +26,7 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
          "--rl-updates", "1", "--rl-minutes", "5", "--rl-groups", "1", "--rl-group-size", "2",
          "--concurrency", "4",
          "--eval-rounds", "2", "--no-rl-dynamic-sampling", "--replicas", "2", "--rl-steps-per-update", "2",
-         "--rl-loss-aggregation", "token-sum", "--final"],
+         "--rl-loss-aggregation", "token-sum", "--eval-seed", "3", "--eval-seed-check", "--final"],
         module="bcstack.speedrun", timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -67,7 +67,7 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
         return {json.loads(line)["query_id"] for line in path.read_text().splitlines()}
 
     dev_ids, test_ids = ids(state / "world" / "dev.jsonl"), ids(state / "world" / "questions.jsonl")
-    for stage in ("untrained", "sft", "rl", "rl-gold"):
+    for stage in ("untrained", "sft", "rl", "rl-gold", "rl-other-seeds"):
         judged = ids(state / f"eval-test-{stage}" / "judgements.jsonl")
         assert judged == test_ids and not judged & dev_ids
     assert not list(state.glob("eval-dev-*"))
@@ -78,6 +78,15 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
     assert gold["n"] == 6 and gold["baseline"] == "SFT + RL, no gold to workers"
     assert all(set(s["guard"]) == {"bounced", "voided"} for s in report["stages"])
     assert "The gold bit, measured once" in out
+    # --eval-seed 3: every evaluation seeded from 3 (common random numbers across the stages); the
+    # check evaluated the RL model again with seed 4 and puts the paired tests side by side.
+    seeds = {stage: json.loads((state / f"eval-test-{stage}" / "eval.json").read_text())["seed"]
+             for stage in ("untrained", "sft", "rl", "rl-gold", "rl-other-seeds")}  # fmt: skip
+    assert seeds == {"untrained": 3, "sft": 3, "rl": 3, "rl-gold": 3, "rl-other-seeds": 4}
+    coupling = report["seed_coupling"]
+    assert (report["eval_seed"], coupling["seed"], coupling["other_seed"]) == (3, 3, 4)
+    assert coupling["coupled"]["n"] == coupling["independent"]["n"] == coupling["rl_against_itself"]["n"] == 6
+    assert "One seed for both models (--eval-seed 3)" in out
     # --eval-rounds 2: the SFT and RL models answer each question twice, the untrained one once.
     assert [s["total"] for s in report["stages"]] == [3, 6, 6]
     for stage in report["stages"]:
@@ -101,6 +110,7 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
         "rl",
         "eval rl",
         "eval rl, other guard",
+        "eval rl, other seeds",
     } <= set(report["seconds"])
     assert (state / "speedrun.png").stat().st_size > 10_000
 
@@ -202,3 +212,14 @@ def test_a_negative_question_count_or_update_budget_is_refused_in_one_line(capsy
             main([option, "-1"])
         assert exit_info.value.code == 2
         assert f"{option} must be 0 or more: -1" in capsys.readouterr().err
+
+
+def test_the_seed_check_without_a_seed_is_refused_in_one_line(capsys):
+    import pytest
+
+    from bcstack.speedrun import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--eval-seed-check"])
+    assert exit_info.value.code == 2
+    assert "--eval-seed-check compares two seed sets: give --eval-seed" in capsys.readouterr().err

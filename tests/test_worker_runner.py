@@ -21,7 +21,7 @@ from devkit.toyworld.generator import generate_world
 from devkit.toyworld.policies import WORKER_TASK_TEMPLATE, expert_worker_policy
 from services.worker.prompts import WORKER_SYSTEM_PROMPT
 from services.worker.retrieval_client import RetrievalFailed
-from services.worker.runner import EpisodeRunner, ProtocolSettings
+from services.worker.runner import EpisodeRunner, ProtocolSettings, Sampling
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +59,12 @@ class PolicyEngine:
     policy: object
     calls: list[int] = field(default_factory=list)  # max_new_tokens asked per call
     prompts: list[list[int]] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)  # sampling_seed sent per call
 
-    async def generate(self, input_ids, *, max_new_tokens, **_):
+    async def generate(self, input_ids, *, max_new_tokens, seed=None, **_):
         self.calls.append(max_new_tokens)
         self.prompts.append(list(input_ids))
+        self.seeds.append(seed)
         messages = _messages_from(self.tokenizer.decode(input_ids, skip_special_tokens=False))
         reply = self.policy(messages)
         eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -118,6 +120,26 @@ def _task(question: str) -> list[dict]:
 
 def _run(runner, messages, **kw):
     return asyncio.run(runner.run(messages, **kw))
+
+
+def test_an_episode_seed_gives_each_turn_its_own_seed_and_the_same_ones_on_every_run(tokenizer, world):
+    """One episode seed fans out into a seed per turn: no turn replays another's uniforms, and a second
+    run with the same seed (another model, for a paired comparison) draws the same ones turn by turn."""
+    question = next(q for q in world.test if q["data_source"] == "bc_test_easy")["query"]
+
+    def seeds_of(sampling):
+        engine = PolicyEngine(tokenizer, expert_worker_policy)
+        result = _run(EpisodeRunner(engine, ToyRetrievalClient(world.corpus), tokenizer), _task(question),
+                      sampling=sampling)  # fmt: skip
+        assert result.status == "finish"
+        return engine.seeds
+
+    first = seeds_of(Sampling(seed=7))
+    assert len(first) >= 2 and len(set(first)) == len(first)
+    assert all(isinstance(s, int) and 0 <= s <= 2**53 - 1 for s in first)
+    assert seeds_of(Sampling(seed=7)) == first
+    assert set(seeds_of(Sampling(seed=8))).isdisjoint(first)
+    assert seeds_of(Sampling()) == [None] * len(first)  # unseeded: the engine draws fresh entropy
 
 
 def test_expert_episodes_answer_and_trajectories_are_exact(tokenizer, world):

@@ -67,6 +67,15 @@ def run(
         "before any search once (FoldAgent's rule: it tells the worker the answer is right). "
         "--no-worker-gold: no gold reaches a worker; every search-free answer is voided.",
     ),
+    seed: int = typer.Option(
+        None,
+        "--seed",
+        min=0,
+        max=2**53 - 1,
+        help="Seed every episode's sampling from this, the question and the round (default: fresh "
+        "entropy). Two models evaluated with one seed are compared with common random numbers: "
+        "the paired test then sees only where they differ, not the sampling noise.",
+    ),
     service_wait: float = typer.Option(
         120.0,
         "--service-wait",
@@ -109,6 +118,7 @@ def run(
             budget=budget,
             service_wait=service_wait,
             worker_gold=worker_gold,
+            seed=seed,
         )
     except EvalRunError as e:
         fail(f"{e} (finished questions are saved; run the same command again to resume)")
@@ -129,6 +139,7 @@ def run_with_progress(
     service_wait: float | None = None,
     after_each: Callable[[int], None] | None = None,
     worker_gold: bool = True,
+    seed: int | None = None,
 ) -> dict[str, int]:
     """Run (or resume) an evaluation with a progress bar showing the accuracy so far; the tally.
 
@@ -144,7 +155,7 @@ def run_with_progress(
     waits = {} if service_wait is None else {"service_wait": service_wait}
     runner = EvalRunner(
         out, gateway, judge, concurrency=concurrency, overrides=overrides, worker_budget=budget,
-        worker_gold=worker_gold, **waits,
+        worker_gold=worker_gold, seed=seed, **waits,
     )  # fmt: skip
     run_id, tasks = runner.prepare(items, rounds)
     total = len(items) * rounds

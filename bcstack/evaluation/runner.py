@@ -6,6 +6,13 @@ BrowseComp answer format against the gold answer), and three files, written in t
 `episodes/<round>/<query_id>.json` (the full episode record), `runs/<round>/<query_id>.json` (the
 BrowseComp-Plus run file) and one line of `judgements.jsonl` (appended, flushed and fsynced).
 
+Seeds (`--seed`): each (question, round) episode samples with its own seed, derived from the run's
+seed, the question id and the round (the gateway gives each branch, and the worker each turn, a seed
+derived from it in turn). Two runs of two models with one --seed draw the same uniforms wherever
+their token distributions agree, so their paired comparison differs only where the models do:
+common random numbers, which leave each run's accuracy an unbiased estimate and cut the discordant
+pairs that sampling noise alone makes. Without --seed every draw is fresh entropy.
+
 Resume: a (question, round) with a judgement line is done and is never redone. One without is run
 again with the same episode id, so an episode that finished on the gateway before the runner was
 killed comes back from the gateway's records instead of being run twice. Episodes that end on a
@@ -42,6 +49,7 @@ import httpx
 
 from bcstack.evaluation.loaders import EvalQuestion
 from bcstack.gateway_client import GatewayError, run_episode
+from core.engine_client import derive_seed
 from core.grading import response_confidence, response_text
 from core.records import (
     EVENT_FINISH_WITHOUT_SEARCH,
@@ -181,6 +189,7 @@ class EvalRunner:
         worker_budget: dict[str, Any] | None = None,
         worker_gold: bool = True,
         service_wait: float = SERVICE_WAIT_SECONDS,
+        seed: int | None = None,
     ) -> None:
         self.out = out
         self.service_wait = service_wait
@@ -191,6 +200,7 @@ class EvalRunner:
         self.overrides = overrides or {}
         self.worker_budget = worker_budget or {}
         self.worker_gold = worker_gold
+        self.seed = seed
         self._lock = asyncio.Lock()
 
     def prepare(self, questions: list[EvalQuestion], rounds: int) -> tuple[str, list[Task]]:
@@ -206,8 +216,13 @@ class EvalRunner:
                     "use another --out"
                 )
             rounds = max(rounds, int(meta.get("rounds", rounds)))
+            if meta.get("seed") != self.seed:
+                raise EvalRunError(
+                    f"{self.out} was started with seed {meta.get('seed')}, not {self.seed}; resume it with "
+                    "the same --seed, or use another --out"
+                )
         else:
-            meta = {"run_id": uuid.uuid4().hex[:12], "query_ids": ids}
+            meta = {"run_id": uuid.uuid4().hex[:12], "query_ids": ids, "seed": self.seed}
         meta["rounds"] = rounds
         meta.update(
             gateway=self.gateway, judge=self.judge, overrides=self.overrides, worker_budget=self.worker_budget
@@ -269,6 +284,8 @@ class EvalRunner:
             body["worker_budget"] = self.worker_budget
         if not self.worker_gold:
             body["worker_gold"] = False
+        if self.seed is not None:
+            body["worker_sampling"] = {"seed": derive_seed(self.seed, q.query_id, rnd)}
         record = await self._episode(client, body)
         response = response_text(record.answer, record.explanation, record.confidence)
         grade = await self._grade(client, q.query, response, q.answer)

@@ -30,6 +30,7 @@ from typing import Any
 from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from core.engine_client import derive_seed
 from core.kit.upstream import EndpointSpec
 from core.record_store import RecordExists, RecordStore, RecordStoreError, default_replica
 from core.records import (
@@ -131,12 +132,14 @@ class EndpointChange(BaseModel):
 
 
 def worker_request(
-    request: EpisodeRequest, worker_id: str, description: str, prompt: str
+    request: EpisodeRequest, worker_id: str, description: str, prompt: str, branch_index: int = 0
 ) -> worker_pb2.RunWorkerEpisodeRequest:
     """The worker episode a branch of `request` runs: its budget and sampling overrides, and the gold
     answer for the worker's no-search guard unless `worker_gold` is false."""
     budget = request.worker_budget.model_dump(exclude_none=True) if request.worker_budget else {}
     sampling = request.worker_sampling.model_dump(exclude_none=True) if request.worker_sampling else {}
+    if "seed" in sampling:  # each branch its own stream, the same for the same branch of any run
+        sampling["seed"] = derive_seed(sampling["seed"], "branch", branch_index)
     return worker_pb2.RunWorkerEpisodeRequest(
         episode_id=worker_id,
         question_id=request.question_id or "",
@@ -477,7 +480,7 @@ class GatewayCore:
                 worker_id = f"{episode_id}.w{branch.index}"
                 worker_ids[branch.index] = worker_id
                 return await self.pool.run(
-                    worker_request(request, worker_id, branch.description, branch.prompt)
+                    worker_request(request, worker_id, branch.description, branch.prompt, branch.index)
                 )
 
             if on_event is not None:

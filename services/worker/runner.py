@@ -95,7 +95,7 @@ class Sampling:
     temperature: float = TEMPERATURE
     top_p: float = TOP_P
     top_k: int | None = None
-    seed: int | None = None
+    seed: int | None = None  # the episode's: turn n samples with derive_seed(seed, "turn", n)
 
 
 @dataclass
@@ -320,8 +320,11 @@ class EpisodeRunner:
     async def _generate(
         self, traj: Trajectory, grant: TurnGrant, sampling: Sampling, prompt_start: int
     ) -> tuple[TurnRecord | None, str, StopReason | None]:
-        from core.engine_client import EngineError, EngineUnavailable
+        from core.engine_client import EngineError, EngineUnavailable, derive_seed
 
+        # An episode's seed gives each turn its own (a turn replaying the first turn's uniforms would
+        # tie the draws of one episode together).
+        seed = None if sampling.seed is None else derive_seed(sampling.seed, "turn", len(traj.turns))
         t0 = time.perf_counter()
         try:
             out = await self.engine.generate(
@@ -330,7 +333,7 @@ class EpisodeRunner:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
-                seed=sampling.seed,
+                seed=seed,
                 return_logprob=True,
             )
         except EngineUnavailable as e:
