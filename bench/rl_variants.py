@@ -7,7 +7,8 @@ Variants are choices, and choices are made on the dev split: the test split is r
     python bench/rl_variants.py --state .bcstack-speedrun \\
         --variant 'positive only=--lr 3e-5 --vector-lr-scale 300 --negative-advantage-scale 0' \\
         --variant 'seed GRPO=--lr 3e-5 --vector-lr-scale 300 --negative-advantage-scale 1' \\
-        [--minutes 10] [--rounds 3] [--tiers easy] [--work DIR] [--results FILE] [--dirty-ok] [--final]
+        [--minutes 10] [--rounds 3] [--tiers easy] [--eval-seed N] [--work DIR] [--results FILE]
+        [--dirty-ok] [--final]
 
 A variant is NAME=FLAGS: FLAGS are `bcstack train rl` options added to the speedrun's own (its
 `rl-questions.jsonl`, budget, worker settings and replicas, 8 groups x 8 episodes, dynamic
@@ -15,7 +16,9 @@ sampling, 4 steps per update, synchronous), later flags winning. Each variant, i
 stack serving the speedrun's SFT model, `bcstack train rl --max-minutes M`, then an evaluation of
 its last export on the dev questions of --tiers for --rounds rounds through a fresh stack.
 The comparison is paired with the SFT model's evaluation on the same questions and round numbers
-(`STATE/eval-dev-sft`, the speedrun's own when it ran on dev, else made here once and kept):
+(`STATE/eval-dev-sft`, the speedrun's own when it ran on dev, else made here once and kept; with
+`--eval-seed N` the baseline and every variant are evaluated with one seed set, common random
+numbers for the paired test, and a speedrun evaluation seeded otherwise is not reused):
 improved/regressed pairs, Δ pp with Newcombe's interval, exact McNemar p, as
 `bcstack eval report --baseline` computes them. Also per variant: updates, the KL to the SFT
 model, the sampled tokens' mean negative log-prob (first three and last three updates; the
@@ -92,12 +95,30 @@ def held_out(world: Path, args: argparse.Namespace) -> list:
     return [q for q in load_questions(path) if q.tier in args.tiers]
 
 
-def sft_baseline(state: Path, args: argparse.Namespace) -> None:
-    """STATE/eval-{split}-sft: the SFT model on the held-out questions, --rounds rounds, made once."""
-    out = state / f"eval-{args.split}-sft"
+def _eval_seed(eval_dir: Path) -> int | None:
+    """The --seed an evaluation directory was run with (None: fresh entropy, or no run yet)."""
+    meta = eval_dir / "eval.json"
+    return json.loads(meta.read_text()).get("seed") if meta.is_file() else None
+
+
+def baseline_dir(state: Path, split: str, seed: int | None) -> Path:
+    """Where the SFT baseline seeded with `seed` is (or goes): the speedrun's own evaluation when it
+    has that seed, else one beside it named for the seed."""
+    out = state / f"eval-{split}-sft"
+    if (out / "judgements.jsonl").is_file() and _eval_seed(out) != seed:
+        out = state / f"eval-{split}-sft-seed{seed}"
+    return out
+
+
+def sft_baseline(state: Path, args: argparse.Namespace) -> Path:
+    """The SFT model on the held-out questions, --rounds rounds, made once: the speedrun's own
+    STATE/eval-{split}-sft when it was seeded as --eval-seed asks, else STATE/eval-{split}-sft-seed{N}
+    (each variant is evaluated with the baseline's seeds, so the paired test compares the models with
+    common random numbers)."""
+    out = baseline_dir(state, args.split, args.eval_seed)
     questions = held_out(state / "world", args)
     if (out / "judgements.jsonl").is_file():
-        return
+        return out
     report = json.loads((state / "report.json").read_text())
     budget = {k: int(v) for k, v in report["settings"]["budget"].items()}
     replicas = int(report["settings"]["args"].get("replicas", 1))
@@ -105,12 +126,15 @@ def sft_baseline(state: Path, args: argparse.Namespace) -> None:
     info = _stack(stack, str(state / "sft" / "serving"), state / "world", state / "kit", state / "index",
                   dict(OBSERVATION_SETTINGS), replicas)  # fmt: skip
     try:
-        evaluate("sft", _urls(info), questions, out, budget, 16, args.rounds)
+        evaluate("sft", _urls(info), questions, out, budget, 16, args.rounds, seed=args.eval_seed)
     finally:
         down(stack, say=lambda _s: None)
+    return out
 
 
-def run_variant(state: Path, name: str, flags: list[str], args: argparse.Namespace, work: Path) -> dict:
+def run_variant(
+    state: Path, name: str, flags: list[str], args: argparse.Namespace, work: Path, baseline: Path
+) -> dict:
     report = json.loads((state / "report.json").read_text())
     budget = {k: int(v) for k, v in report["settings"]["budget"].items()}
     replicas = int(report["settings"]["args"].get("replicas", 1))
@@ -141,11 +165,10 @@ def run_variant(state: Path, name: str, flags: list[str], args: argparse.Namespa
     questions = held_out(world, args)
     info = _stack(stack, str(model), world, kit, index, settings, replicas)
     try:
-        evaluate(name, _urls(info), questions, out / "eval", budget, 16, args.rounds)
+        evaluate(name, _urls(info), questions, out / "eval", budget, 16, args.rounds, seed=args.eval_seed)
     finally:
         down(stack, say=lambda _s: None)
     keep = {q.query_id for q in questions}
-    baseline = state / f"eval-{args.split}-sft"
     paired = build_report(out / "eval", _filtered(baseline, keep, out / "eval-sft")).paired
     nll = [m.get("sampled_token_nll", m.get("entropy", 0.0)) for m in metrics]
     sampled = [m.get("sampled_reward_mean", m["reward_mean"]) for m in metrics]
@@ -185,6 +208,13 @@ def main() -> int:
         action="store_true",
         help="judge on the test split (default: dev); only for the final report of a choice already made",
     )
+    parser.add_argument(
+        "--eval-seed",
+        type=int,
+        default=None,
+        help="seed the SFT baseline's and every variant's evaluation from this (bcstack eval run --seed): "
+        "common random numbers for the paired tests (default: the seed of the speedrun's SFT evaluation)",
+    )
     args = parser.parse_args()
     args.tiers = {t.strip() for t in args.tiers.split(",") if t.strip()}
     args.split = "test" if args.final else "dev"
@@ -202,8 +232,10 @@ def main() -> int:
     print_machine()
     work = args.work = args.work or Path(tempfile.mkdtemp(prefix="bench-rl-variants-"))
     work.mkdir(parents=True, exist_ok=True)
-    sft_baseline(state, args)
-    results = [run_variant(state, name, flags, args, work) for name, flags in variants]
+    if args.eval_seed is None:
+        args.eval_seed = _eval_seed(state / f"eval-{args.split}-sft")
+    baseline = sft_baseline(state, args)
+    results = [run_variant(state, name, flags, args, work, baseline) for name, flags in variants]
 
     rows = []
     for r in results:
@@ -216,7 +248,8 @@ def main() -> int:
     table = Table(
         title=f"RL variants from the SFT model of {state}, {args.split} split "
         f"({', '.join(sorted(args.tiers))}), "
-        f"{args.rounds} round(s), paired with the SFT model's evaluation",
+        f"{args.rounds} round(s), paired with the SFT model's evaluation"
+        + (f" (both seeded from {args.eval_seed})" if args.eval_seed is not None else ""),
         columns=["variant", "train rl flags (beside the speedrun's)", "updates", "RL s", "final KL",
                  "sampled-token NLL first 3 → last 3", "sampled reward first 3 → last 3",
                  "norm gain SFT → RL",

@@ -278,6 +278,17 @@ def test_the_rl_variants_read_dev_and_test_only_with_final(tmp_path):
     help_text = subprocess.run([sys.executable, str(ROOT / "bench" / "rl_variants.py"), "--help"],
                                capture_output=True, text=True).stdout  # fmt: skip
     assert "--final" in help_text and "default: dev" in help_text
+    assert "--eval-seed" in help_text
+    # The SFT baseline is the speedrun's own evaluation when it was seeded as asked, else its own.
+    sft = tmp_path / "state" / "eval-dev-sft"
+    assert variants.baseline_dir(tmp_path / "state", "dev", 3) == sft  # none made yet: made there
+    sft.mkdir(parents=True)
+    (sft / "judgements.jsonl").write_text("{}\n")
+    (sft / "eval.json").write_text(json.dumps({"seed": 0}))
+    assert variants.baseline_dir(tmp_path / "state", "dev", 0) == sft
+    assert variants.baseline_dir(tmp_path / "state", "dev", 3) == sft.with_name("eval-dev-sft-seed3")
+    (sft / "eval.json").write_text(json.dumps({"run_id": "r"}))  # from before --seed: unseeded
+    assert variants.baseline_dir(tmp_path / "state", "dev", None) == sft
 
 
 def test_write_results_refuses_a_dirty_checkout_unless_dirty_ok(monkeypatch, capsys, tmp_path):
