@@ -28,6 +28,9 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
             made on dev first),
             under one worker budget sized from the expert's trajectories (`--budget-factor` x the longest);
             the SFT (and RL) model for `--eval-rounds` rounds per question, the untrained one for one;
+            with `--eval-seed N` every stage samples with one seed set (`bcstack eval run --seed`), so
+            the paired tests compare the models with common random numbers (`--eval-seed-check`
+            evaluates the RL model once more with N + 1 and reports both tests);
 6. rl       `bcstack train rl` from the SFT model on the `--rl-easy` questions (the `--rl-medium` ones,
             and SFT's train questions of any other tier in `--rl-tiers`), the workers hot-reloaded after
             each update, for `--rl-minutes` (or `--rl-updates`, the minutes then a cap); then the RL
