@@ -30,7 +30,7 @@ LLM, gateway, rule judge as processes) and prints its seconds on a timeline:
             the SFT (and RL) model for `--eval-rounds` rounds per question, the untrained one for one;
             with `--eval-seed N` every stage samples with one seed set (`bcstack eval run --seed`), so
             the paired tests compare the models with common random numbers (`--eval-seed-check`
-            evaluates the RL model once more with N + 1 and reports both tests);
+            evaluates the RL model once more with N + 1 and reports both tests; N is 0 unless told);
 6. rl       `bcstack train rl` from the SFT model on the `--rl-easy` questions (the `--rl-medium` ones,
             and SFT's train questions of any other tier in `--rl-tiers`), the workers hot-reloaded after
             each update, for `--rl-minutes` (or `--rl-updates`, the minutes then a cap); then the RL
@@ -528,6 +528,16 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
 
 
+def _seed_option(value: str) -> int | None:
+    """--eval-seed: an integer, or 'none' for fresh entropy."""
+    if value.lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer or 'none', not {value!r}") from None
+
+
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -655,11 +665,12 @@ def _main(argv: list[str] | None) -> int:
     )
     add(
         "--eval-seed",
-        type=int,
-        default=None,
+        type=_seed_option,
+        default=0,
         help="seed every evaluation's sampling from this, the question and the round (bcstack eval run "
         "--seed), the same for every stage: the paired tests then compare the models with common random "
-        "numbers, so sampling noise alone splits fewer pairs (default: fresh entropy)",
+        "numbers, so sampling noise alone splits fewer pairs (chosen on world 0's dev split: "
+        "docs/research/speedrun.md); 'none': fresh entropy",
     )
     add(
         "--eval-seed-check",

@@ -220,6 +220,6 @@ def test_the_seed_check_without_a_seed_is_refused_in_one_line(capsys):
     from bcstack.speedrun import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["--eval-seed-check"])
+        main(["--eval-seed-check", "--eval-seed", "none"])
     assert exit_info.value.code == 2
     assert "--eval-seed-check compares two seed sets: give --eval-seed" in capsys.readouterr().err
