@@ -43,7 +43,7 @@ def derive_seed(seed: int, *parts: object) -> int:
     One episode seed fans out to many engine requests; each gets its own derived seed, so that no two
     requests of an episode replay the same stream of uniforms, while two models run with the same
     episode seed draw the same uniforms turn by turn (common random numbers: a paired comparison then
-    differs only where the models do)."""
+    splits fewer pairs on the draw alone)."""
     digest = hashlib.sha256("\0".join(str(x) for x in (seed, *parts)).encode()).digest()
     return int.from_bytes(digest[:8], "big") & MAX_SEED
 

@@ -74,7 +74,7 @@ def run(
         max=2**53 - 1,
         help="Seed every episode's sampling from this, the question and the round (default: fresh "
         "entropy). Two models evaluated with one seed are compared with common random numbers: "
-        "the paired test then sees only where they differ, not the sampling noise.",
+        "fewer of the paired test's pairs split on the sampling draw alone.",
     ),
     service_wait: float = typer.Option(
         120.0,

@@ -8,10 +8,10 @@ BrowseComp-Plus run file) and one line of `judgements.jsonl` (appended, flushed 
 
 Seeds (`--seed`): each (question, round) episode samples with its own seed, derived from the run's
 seed, the question id and the round (the gateway gives each branch, and the worker each turn, a seed
-derived from it in turn). Two runs of two models with one --seed draw the same uniforms wherever
-their token distributions agree, so their paired comparison differs only where the models do:
-common random numbers, which leave each run's accuracy an unbiased estimate and cut the discordant
-pairs that sampling noise alone makes. Without --seed every draw is fresh entropy.
+derived from it in turn). Two runs of two models with one --seed draw the same uniforms token by
+token until their trajectories part: common random numbers, which leave each run's accuracy an
+unbiased estimate and cut part of the discordant pairs that sampling noise alone makes (on the
+speedrun's dev run, 51 to 45: docs/research/speedrun.md). Without --seed every draw is fresh entropy.
 
 Resume: a (question, round) with a judgement line is done and is never redone. One without is run
 again with the same episode id, so an episode that finished on the gateway before the runner was
