@@ -71,7 +71,9 @@ from typing import Any
 from bcstack.evaluation.cli import run_with_progress
 from bcstack.evaluation.loaders import load_questions, tier_of
 from bcstack.evaluation.report import TIERS, question_level_line, round_consistency_line
+from bcstack.evaluation.runner import EvalRunError
 from bcstack.stack import StackError, down, read_state, sigterm_runs_finally, up
+from core.engine_client import MAX_SEED
 from trainer.data import longest_trajectory
 
 # Observations small enough for a CPU run, and a per-turn cap: every one a worker setting
@@ -681,8 +683,8 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.eval_rounds < 1:
         parser.error("--eval-rounds must be at least 1")
-    if args.eval_seed is not None and not 0 <= args.eval_seed < 2**53 - 1:
-        parser.error(f"--eval-seed must be in [0, 2**53 - 2]: {args.eval_seed}")
+    if args.eval_seed is not None and not 0 <= args.eval_seed < MAX_SEED:  # the check's seed + 1 too
+        parser.error(f"--eval-seed must be in [0, {MAX_SEED - 1}]: {args.eval_seed}")
     if args.eval_seed_check and args.eval_seed is None:
         parser.error("--eval-seed-check compares two seed sets: give --eval-seed")
     for name in ("train_easy", "rl_easy", "train_medium", "rl_medium", "train_hard", "rl_hard", "rl_updates"):
@@ -911,7 +913,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"\n{rl_error}")
         print(f"\nPNG: {state / 'speedrun.png'}   JSON: {state / 'report.json'}")
         print("Seconds per stage: " + ", ".join(f"{k} {v:.0f}" for k, v in tl.seconds.items()))
-    except StackError as e:
+    except (StackError, EvalRunError) as e:  # EvalRunError: a service gone, or an eval dir of another seed
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
