@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -207,6 +208,7 @@ def bench_module(name: str):
     path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import does: a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
