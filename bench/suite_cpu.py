@@ -55,6 +55,19 @@ def _item_log(record: dict) -> None:
     _log_file.flush()
 
 
+def _children() -> list[int]:
+    """This process's children now, from every thread's /proc children list (a forked stack's parent
+    is the worker's forkserver, which the kernel reparents to init once the worker has gone: its own
+    accounting record no longer leads to the worker)."""
+    pids: list[int] = []
+    for path in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids += [int(pid) for pid in path.read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
 def _cpu_self() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -75,6 +88,7 @@ try:  # the hook only where pytest is there (the bench itself runs without impor
                 "start": start,
                 "end": time.time(),
                 "cpu": _cpu_self() - cpu,
+                "children": _children(),
             }
         )
 except ImportError:  # pragma: no cover
@@ -126,9 +140,9 @@ class Charge:
 
 def charge(processes: Iterable[Process], items: list[dict]) -> dict[str, Charge]:
     """CPU per test module: each worker's own CPU over the module's items, and every process whose
-    parent chain leads to that worker, by the module the worker was running in the second the
-    process started. A worker's CPU outside its items, and a process started between its items, go
-    to SETUP; a process whose chain reaches no worker goes to OUTSIDE."""
+    parent chain leads to that worker (or to a child the worker logged), by the module the worker
+    was running in the second the process started. A worker's CPU outside its items, and a process
+    started between its items, go to SETUP; a process whose chain reaches no worker goes to OUTSIDE."""
     processes = list(processes)
     charges: dict[str, Charge] = defaultdict(Charge)
     windows: dict[int, list[dict]] = defaultdict(list)
@@ -141,11 +155,16 @@ def charge(processes: Iterable[Process], items: list[dict]) -> dict[str, Charge]
     for spans in windows.values():
         spans.sort(key=lambda i: i["start"])
     parent = {p.pid: p.ppid for p in processes}
+    # A worker's children seen at the end of its items: its forkserver among them, whose record names
+    # init as its parent where the worker left first.
+    owner = {child: item["pid"] for item in items for child in item.get("children", ())}
 
     def worker_of(pid: int) -> int | None:
         for _ in range(64):  # a chain is a few links; a pid reused as its own ancestor never loops
             if pid in windows:
                 return pid
+            if pid in owner:
+                return owner[pid]
             if pid not in parent:
                 return None
             pid = parent[pid]
@@ -155,7 +174,7 @@ def charge(processes: Iterable[Process], items: list[dict]) -> dict[str, Charge]
         if p.pid in windows:  # a worker: its items are counted; the rest of its CPU is its set-up
             charges[SETUP].own += max(0.0, p.cpu - sum(i["cpu"] for i in windows[p.pid]))
             continue
-        worker = worker_of(p.ppid)
+        worker = owner.get(p.pid) or worker_of(p.ppid)
         if worker is None:
             name = OUTSIDE
         else:
@@ -248,7 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         command = ["make", "test", f"PYTEST_WORKERS={args.workers}", f"PYTEST_ARGS={pytest_args}"]
         print("$ " + shlex.join(command), flush=True)
         subprocess.run(["accton", str(pacct)], check=True, capture_output=True)
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.monotonic()
         try:
             done = subprocess.run(command, cwd=root, env={**os.environ, LOG_ENV: tmp})
@@ -257,8 +275,6 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(5)
         finally:
             subprocess.run(["accton", "off"], capture_output=True)
-        after_usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (after_usage.ru_utime + after_usage.ru_stime) - (usage.ru_utime + usage.ru_stime)
         if done.returncode != 0:
             print(f"bench/suite_cpu.py: make test exited {done.returncode}; no report", file=sys.stderr)
             return 1
@@ -290,9 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in charges.values():
         commands.update(c.commands or Counter())
     extra = {
-        "make test": f"{wall:.0f} s wall, {cpu:.0f} s of CPU (its processes' user + system, as reaped), "
-        f"{len(items)} items on {args.workers or 1} worker(s)",
-        "counted by accounting": f"{counted:.0f} s of CPU in {len(processes)} processes",
+        "make test": f"{wall:.0f} s wall, {len(items)} items on {args.workers or 1} worker(s)",
+        "CPU, counted by accounting": f"{counted:.0f} s (user + system) in {len(processes)} processes",
         "probe (CPU s, one thread)": f"before: python loop {before['python']:.2f}, matmuls "
         f"{before['matmul']:.2f}; after: {after['python']:.2f}, {after['matmul']:.2f}",
     }

@@ -40,8 +40,16 @@ def test_dump_acct_lines_become_processes_with_cpu_seconds_and_start_times():
 
 def test_each_process_is_charged_to_its_workers_module_at_the_second_it_started():
     t0 = 1_796_674_200.0
-    items = [  # worker 10 ran module a then b; worker 20 ran c
-        {"worker": "gw0", "pid": 10, "module": "a", "start": t0, "end": t0 + 10, "cpu": 4.0},
+    items = [  # worker 10 ran module a then b; worker 20 ran c (gw0 logged its child 11)
+        {
+            "worker": "gw0",
+            "pid": 10,
+            "module": "a",
+            "start": t0,
+            "end": t0 + 10,
+            "cpu": 4.0,
+            "children": [11],
+        },
         {"worker": "gw0", "pid": 10, "module": "a", "start": t0 + 10, "end": t0 + 20, "cpu": 1.0},
         {"worker": "gw0", "pid": 10, "module": "b", "start": t0 + 40, "end": t0 + 50, "cpu": 2.0},
         {"worker": "gw1", "pid": 20, "module": "c", "start": t0, "end": t0 + 50, "cpu": 3.0},
@@ -50,7 +58,9 @@ def test_each_process_is_charged_to_its_workers_module_at_the_second_it_started(
     processes = [
         P("python", 20.0, 10, 5, t0 - 30),  # worker gw0: 7 s in its items, 13 s its set-up
         P("python", 3.0, 20, 5, t0 - 30),  # worker gw1: all of it in its items
-        P("python", 1.0, 11, 10, t0 - 25),  # gw0's forkserver, started before its first item
+        # gw0's forkserver, started before its first item; reparented to init when gw0 left, it is
+        # known as gw0's from the children gw0 logged.
+        P("python", 1.0, 11, 1, t0 - 25),
         P("python", 8.0, 12, 11, t0 + 15),  # forked by it during a: charged to a through the chain
         P("haproxy", 2.0, 13, 12, t0 + 44),  # started by that service, but while gw0 ran b
         P("python", 5.0, 21, 20, t0 + 30),  # gw1's child during c
