@@ -31,8 +31,10 @@ import resource
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 LOG_ENV = "BCSTACK_SUITE_CPU_LOG"  # the folder each xdist worker logs its items to
 OUTSIDE = "(outside the workers: make, compileall, pytest's controller)"
@@ -73,26 +75,21 @@ def _cpu_self() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-try:  # the hook only where pytest is there (the bench itself runs without importing it)
-    import pytest
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 (pytest's hook signature)
-        cpu, start = _cpu_self(), time.time()
-        yield
-        _item_log(
-            {
-                "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                "pid": os.getpid(),
-                "module": item.nodeid.split("::")[0],
-                "start": start,
-                "end": time.time(),
-                "cpu": _cpu_self() - cpu,
-                "children": _children(),
-            }
-        )
-except ImportError:  # pragma: no cover
-    pass
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 (pytest's hook signature)
+    cpu, start = _cpu_self(), time.time()
+    yield
+    _item_log(
+        {
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            "pid": os.getpid(),
+            "module": item.nodeid.split("::")[0],
+            "start": start,
+            "end": time.time(),
+            "cpu": _cpu_self() - cpu,
+            "children": _children(),
+        }
+    )
 
 
 # --- reading and charging the records -------------------------------------------------------------
@@ -131,7 +128,7 @@ class Charge:
     wall: float = 0.0
     own: float = 0.0  # the worker's CPU over the module's items
     children: float = 0.0  # processes started while the module ran
-    commands: Counter | None = None
+    commands: Counter = field(default_factory=Counter)
 
     @property
     def cpu(self) -> float:
@@ -184,11 +181,8 @@ def charge(processes: Iterable[Process], items: list[dict]) -> dict[str, Charge]
             for span in windows[worker]:
                 if span["start"] - 1 <= p.started <= span["end"] + 1:
                     name = span["module"]
-        c = charges[name]
-        c.children += p.cpu
-        if c.commands is None:
-            c.commands = Counter()
-        c.commands[p.command] += p.cpu
+        charges[name].children += p.cpu
+        charges[name].commands[p.command] += p.cpu
     return dict(charges)
 
 
@@ -297,14 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     rows, running = [], 0.0
     for name, c in modules[: args.top]:
         running += c.cpu
-        top = ", ".join(f"{cmd} {s:.0f}" for cmd, s in (c.commands or Counter()).most_common(3))
+        top = ", ".join(f"{cmd} {s:.0f}" for cmd, s in c.commands.most_common(3))
         rows.append(
             [name, c.items, round(c.wall, 1), round(c.own, 1), round(c.children, 1), round(c.cpu, 1),
              f"{c.cpu / counted:.1%}", f"{running / counted:.0%}", top or "—"]
         )  # fmt: skip
     commands: Counter = Counter()
     for c in charges.values():
-        commands.update(c.commands or Counter())
+        commands.update(c.commands)
     extra = {
         "make test": f"{wall:.0f} s wall, {len(items)} items on {args.workers or 1} worker(s)",
         "CPU, counted by accounting": f"{counted:.0f} s (user + system) in {len(processes)} processes",
@@ -324,7 +318,15 @@ def main(argv: list[str] | None = None) -> int:
                 "workers' forkservers' children (the forked stacks) through their parent chain.",
             ],
         ),
-        Table("CPU by command", ["command", "CPU s"], by_command),
+        Table(
+            "CPU by command",
+            ["command", "CPU s"],
+            by_command,
+            notes=[
+                "A command is the name the kernel records as a process exits, its last thread's: "
+                "grpc_global_tim, event_engine, pt_gloo_runloop and the like are Python processes' threads.",
+            ],
+        ),
     ]
     path = write_results("suite_cpu", tables, extra, args.results, dirty_ok=args.dirty_ok)
     for name, c in modules[:15]:
