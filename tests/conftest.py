@@ -271,7 +271,8 @@ def tiny_kit(tmp_path_factory) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def toy_kit(tmp_path_factory, tiny_kit):
     """One toy world (500 documents, seed 5, 8 test questions per tier, no train split), the tiny
-    model and its retrieval index, built once per test session for the end-to-end suites.
+    model and its retrieval index (documents embedded to 128 tokens), built once per test session for
+    the end-to-end suites.
 
     Returns {"dir", "world"}: `dir` holds `world/`, `tiny/` and `idx/`; treat them as read-only.
     """
@@ -292,10 +293,14 @@ def toy_kit(tmp_path_factory, tiny_kit):
             root.mkdir(exist_ok=True)
             write_world(world, root / "world")
             tiny_kit(root / "tiny")
+            # Documents embedded to 128 tokens, not MiniLM's 256: the toy pages run 200-256 tokens,
+            # and the build that every end-to-end module waits for takes half the CPU (44 s against
+            # 82 s on the 2-core EPYC). Queries are shorter than either.
             index = subprocess.run(
                 [sys.executable, "-m", "bcstack", "index", "--corpus", str(root / "world" / "corpus.jsonl"),
                  "--index-dir", str(root / "idx")],
                 capture_output=True, text=True,
+                env={**os.environ, "BCSTACK_RETRIEVAL_EMBED_MAX_LENGTH": "128"},
             )  # fmt: skip
             assert index.returncode == 0, index.stderr
             (root / "COMPLETE").touch()

@@ -213,24 +213,64 @@ def _bcstack_main(args: list[str], env: dict[str, str], stdout: str, stderr: str
     main()
 
 
-def _module_main(module: str, args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+def _module_main(
+    module: str, args: list[str], env: dict[str, str], stdout: str, stderr: str, forked_children: bool
+) -> None:
     _as_new_process(env, stdout, stderr)
+    if forked_children:
+        _fork_children()
     sys.argv = [module, *args]
-    sys.exit(importlib.import_module(module).main(args))
+    try:
+        sys.exit(importlib.import_module(module).main(args))
+    finally:
+        if forked_children:  # its forkserver goes with it (a multiprocessing child runs no atexit)
+            multiprocessing.forkserver._forkserver._stop()
+
+
+def _forked_bcstack_run(args: list[str]) -> None:
+    """`bcstack.speedrun._run` forked: the command's output, then StackError if it failed."""
+    from bcstack.stack import StackError
+
+    done = bcstack_forked(args)
+    sys.stdout.write(done.stdout)
+    sys.stderr.write(done.stderr)
+    sys.stdout.flush()
+    if done.returncode != 0:
+        raise StackError(f"`bcstack {' '.join(args[:3])} …` failed (exit {done.returncode}); see above")
+
+
+def _fork_children() -> None:
+    """In a forked command: the processes it starts are forked too, from a forkserver of its own
+    (started on first use): its stacks' services (`bcstack.stack.start_service`, swapped as the
+    `forked_services` fixture swaps it) and the speedrun's `bcstack` commands (`bcstack.speedrun._run`)."""
+    # A forked command is a daemonic multiprocessing child, which may not start processes of its
+    # own; this one is a command like any other, that starts them.
+    multiprocessing.current_process()._config["daemon"] = False
+    from bcstack import speedrun, stack
+
+    stack.start_service = forked_service
+    speedrun._run = _forked_bcstack_run
 
 
 class ForkedBcstack:
     """`bcstack ARGS` forked from the forkserver; `env` is added to the environment. With `module`,
-    `python -m MODULE ARGS` instead, for a module whose `main(argv)` returns the exit status."""
+    `python -m MODULE ARGS` instead, for a module whose `main(argv)` returns the exit status;
+    `forked_children` (with `module`): the processes it starts fork too (`_fork_children`)."""
 
     def __init__(
-        self, args: Sequence[str], env: dict[str, str] | None = None, module: str | None = None
+        self,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        module: str | None = None,
+        forked_children: bool = False,
     ) -> None:
         self.args = [module or "bcstack", *args]
         folder = Path(tempfile.mkdtemp(prefix="bcstack-fork-"))
         self._out, self._err = folder / "stdout", folder / "stderr"
         given = (list(args), dict(env or {}), str(self._out), str(self._err))
-        target, given = (_bcstack_main, given) if module is None else (_module_main, (module, *given))
+        target, given = (
+            (_bcstack_main, given) if module is None else (_module_main, (module, *given, forked_children))
+        )
         self.proc = _forkserver().Process(target=target, args=given, daemon=True)
         self.proc.start()
 
@@ -304,10 +344,15 @@ def forked_service(
 
 
 def bcstack_forked(
-    args: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 600, module: str | None = None
+    args: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    module: str | None = None,
+    forked_children: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `bcstack ARGS` (or `python -m MODULE ARGS`) to its end as a forked process (`ForkedBcstack`)."""
-    return ForkedBcstack(args, env, module).wait(timeout)
+    return ForkedBcstack(args, env, module, forked_children).wait(timeout)
 
 
 def bcstack_ranks(

@@ -1,6 +1,7 @@
 """The CPU engine (`services/engine`) against SGLang's contract, and the worker's engine client.
 
-Two real engine processes serve the module: the tiny Qwen3 model and the scripted expert policy.
+Two real engine processes serve the module: the tiny Qwen3 model and the scripted expert policy,
+each `bcstack serve engine` forked from a process that has imported it (`_start_engine`).
 The model kit is "sharpened" (projection and embedding weights scaled up) so that greedy decoding
 of the random model wanders through many tokens instead of repeating one, which makes
 token-exact comparisons meaningful.
@@ -14,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +24,7 @@ import httpx
 import pytest
 import torch
 from conftest import find_free_port, wait_until
+from stack_util import ForkedPopen
 
 from core import engine_client as ec
 from core.chat_template import render_chat
@@ -77,17 +78,12 @@ def reference(kits):
     return {name: AutoModelForCausalLM.from_pretrained(kits[name]).eval() for name in ("a", "b")}
 
 
-def _start_engine(args: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+def _start_engine(args: list[str], log_path: Path) -> tuple[ForkedPopen, str]:
+    """`bcstack serve engine ARGS` forked from a process that has imported it (stack_util.ForkedPopen):
+    its own process, without the ~8 s of CPU a new one spends importing torch and transformers."""
     port = find_free_port()
-    log = log_path.open("w")
     env = {**os.environ, "BCSTACK_ADMIN_TOKEN": ADMIN}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.engine", *args, "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=Path(__file__).resolve().parents[1],
-    )
+    proc = ForkedPopen(["serve", "engine", *args, "--port", str(port)], env, log_path)
     base = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
@@ -102,7 +98,7 @@ def _start_engine(args: list[str], log_path: Path) -> tuple[subprocess.Popen, st
     return proc, base
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: ForkedPopen) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=20)

@@ -275,7 +275,9 @@ def test_killed_ingest_resumes_without_duplicates(world_dir, tmp_path):
         "--batch-size",
         "32",
     ]
-    proc = ForkedBcstack(cmd[3:])
+    # Pages embedded to 64 tokens: the subject is resuming, and the two ingests take a third of the CPU.
+    short = {"BCSTACK_RETRIEVAL_EMBED_MAX_LENGTH": "64"}
+    proc = ForkedBcstack(cmd[3:], short)
 
     def committed() -> int:
         try:
@@ -293,7 +295,7 @@ def test_killed_ingest_resumes_without_duplicates(world_dir, tmp_path):
     assert 0 < partial < n
     manifest = json.loads((index / "manifest.json").read_text())
     assert manifest["complete"] is False
-    result = bcstack_forked(cmd[3:])  # the resumed ingest, forked as the killed one was
+    result = bcstack_forked(cmd[3:], env=short)  # the resumed ingest, forked as the killed one was
     assert result.returncode == 0, result.stderr
     assert f"{n - partial:,} added, {partial:,} resumed" in result.stderr
     with sqlite3.connect(index / "docstore.sqlite") as conn:

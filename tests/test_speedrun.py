@@ -3,8 +3,12 @@ world of a few questions — expert collection, gate rows, the copy stage, SFT, 
 one RL update after SFT — and the report it writes. The full run (about an hour) is a command, not a test;
 here SFT's loss falling is the sign that training trained.
 
-The speedrun is a process forked from one that has imported it (tests/stack_util.py `bcstack_forked`);
-every process it starts (the stacks, `bcstack train sft|rl`) starts as `make speedrun` starts it.
+The speedrun is a process forked from one that has imported it (tests/stack_util.py `bcstack_forked`),
+and so is every process it starts: its three stacks' services and its `bcstack index|records|train`
+commands, the same commands as `make speedrun` runs, fork from a forkserver of the speedrun's own
+(`forked_children`). As new `python -m bcstack` processes their imports were most of this test's CPU
+(160 s of CPU in all, measured with bench/suite_cpu.py); tests/test_eval_stack.py starts a stack's
+services as `bcstack up` does outside the tests.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ def test_the_speedrun_runs_every_stage_and_reports_three_rows(tmp_path):
          "--concurrency", "4",
          "--eval-rounds", "2", "--no-rl-dynamic-sampling", "--replicas", "2", "--rl-steps-per-update", "2",
          "--rl-loss-aggregation", "token-sum", "--eval-seed", "3", "--eval-seed-check", "--final"],
-        module="bcstack.speedrun", timeout=600,
+        module="bcstack.speedrun", timeout=600, forked_children=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
