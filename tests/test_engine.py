@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,7 +21,7 @@ import httpx
 import pytest
 import torch
 from conftest import find_free_port, wait_until
-from stack_util import ForkedPopen
+from stack_util import BcstackProcess
 
 from core import engine_client as ec
 from core.chat_template import render_chat
@@ -78,33 +75,16 @@ def reference(kits):
     return {name: AutoModelForCausalLM.from_pretrained(kits[name]).eval() for name in ("a", "b")}
 
 
-def _start_engine(args: list[str], log_path: Path) -> tuple[ForkedPopen, str]:
-    """`bcstack serve engine ARGS` forked from a process that has imported it (stack_util.ForkedPopen):
-    its own process, without the ~8 s of CPU a new one spends importing torch and transformers."""
+def _start_engine(args: list[str], log_path: Path) -> tuple[BcstackProcess, str]:
+    """`bcstack serve engine ARGS` forked from a process that has imported it (stack_util, `forked`):
+    its own process, without the ~8 s of CPU a new one spends importing torch and transformers.
+    Stop it with its `stop()`."""
     port = find_free_port()
-    env = {**os.environ, "BCSTACK_ADMIN_TOKEN": ADMIN}
-    proc = ForkedPopen(["serve", "engine", *args, "--port", str(port)], env, log_path)
+    args = ["serve", "engine", *args, "--port", str(port)]
+    proc = BcstackProcess(args, log_path, {"BCSTACK_ADMIN_TOKEN": ADMIN}, forked=True)
     base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"engine exited:\n{log_path.read_text()}")
-        try:
-            return httpx.get(base + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, timeout=90, message="engine did not become ready")
+    proc.wait_healthy(base + "/health", timeout=90)
     return proc, base
-
-
-def _stop(proc: ForkedPopen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +94,7 @@ def engine(kits, tmp_path_factory):
         ["--model", str(kits["a"]), "--context-length", str(CONTEXT), "--max-running-requests", "8"], log
     )
     yield base
-    _stop(proc)
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +109,7 @@ def expert_engine(kits, tmp_path_factory):
         ["--policy", "expert", "--tokenizer", str(kits["a"]), "--world", str(world_dir)], log
     )
     yield {"url": base, "world": world}
-    _stop(proc)
+    proc.stop()
 
 
 def _generate(base: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from test_engine import (
     _pause,
     _sharpen_and_save,
     _start_engine,
-    _stop,
     _Stream,
 )
 
@@ -121,21 +120,21 @@ def _engine(kits, tmp_path_factory, name: str, extra: list[str]):
 def on(kits, tmp_path_factory):
     proc, base = _engine(kits, tmp_path_factory, "on", [])  # the default budget
     yield base
-    _stop(proc)
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
 def off(kits, tmp_path_factory):
     proc, base = _engine(kits, tmp_path_factory, "off", ["--prefix-cache-tokens", "0"])
     yield base
-    _stop(proc)
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
 def small(kits, tmp_path_factory):
     proc, base = _engine(kits, tmp_path_factory, "small", ["--prefix-cache-tokens", "256"])
     yield base
-    _stop(proc)
+    proc.stop()
 
 
 def _tokens(seed: int, n: int) -> list[int]:
