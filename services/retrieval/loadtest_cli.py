@@ -172,12 +172,32 @@ def retrieval(
 _START_IT = "start the retrieval service (bcstack serve retrieval) or fix --url"
 
 
+def _refused(target: str, timeout: float) -> str | None:
+    """The error of a TCP connect to a gRPC target "host:port" ("[v6]:port"), None when it connects
+    or the target is not of that form (a "dns:///..." or "unix:..." name: the channel decides)."""
+    import socket
+
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or "/" in host or host.startswith("unix"):
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _unreachable(url: str, *, grpc: bool, timeout: float) -> str | None:
     """Why nothing answers at the target (None: something does). HTTP: any answer to GET /health
     of its host, whatever the status; gRPC: the channel becomes ready."""
     if grpc:
         import grpc as grpc_lib
 
+        refused = _refused(url, timeout)
+        if refused is not None:
+            # A gRPC channel to a closed port retries until the deadline: a refused TCP connect
+            # says the same at once.
+            return f"nothing answers gRPC at {url} ({refused}): {_START_IT}"
         channel = grpc_lib.insecure_channel(url)
         try:
             grpc_lib.channel_ready_future(channel).result(timeout=timeout)
