@@ -56,6 +56,9 @@ def coordinator_llm_spec(model: str, **faults) -> tuple[tuple, dict]:
     """(a `bcstack_processes` spec, the endpoint) of a stand-in coordinator LLM with `faults`."""
     port = find_free_port()
     env = {f"BCSTACK_COORDINATOR_LLM_{k.upper()}": str(v) for k, v in faults.items()}
+    # A stand-in has nothing worth draining: its requests left hanging (fail_mode "hang") would hold
+    # its SIGTERM for the default 10 s grace, once per module that stops one.
+    env.setdefault("BCSTACK_COORDINATOR_LLM_SHUTDOWN_GRACE_SECONDS", "0.5")
     args = ["serve", "coordinator-llm", "--port", str(port), "--model-name", model]
     return (args, _url(port, "/health"), env), {
         "port": port,
