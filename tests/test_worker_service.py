@@ -252,7 +252,7 @@ def test_failing_engine_gives_a_recorded_error_stop(stack, tmp_path, mode):
     ports = stack["ports"]
     w_http, w_grpc = find_free_port(), find_free_port()
     config = tmp_path / "worker.yaml"
-    config.write_text("engine_timeout_seconds: 0.8\nengine_retries: 2\n")
+    config.write_text("engine_timeout_seconds: 0.4\nengine_retries: 2\n")  # 3 tries of a hang: 1.2 s
     with (
         _fake_engine(mode) as engine_url,
         _worker(stack["tmp"] / "tiny", engine_url, f"127.0.0.1:{ports['r_grpc']}", w_http, w_grpc, config),
