@@ -15,7 +15,14 @@ float round-off). While the batch keeps the same members, the batched cache is r
 to step (the forward pass appends to it); when a sequence joins or leaves, every member's KV is
 cut back out of it (padding removed) and a new batch is stacked. Prefill runs one sequence at a
 time (no chunked prefill). This is the simplest exact scheme `transformers` allows; it copies a
-member's KV once per membership change, which is nothing at the tiny model's size.
+member's KV once per membership change, which is nothing at the tiny model's size. The batched
+cache's layers are `_GrowingLayer`s: `transformers`' `DynamicLayer` concatenates, copying the whole
+batch's keys and values at every step (`aten::cat` was 70% of a 16-sequence decode step at 1,500
+tokens of context under torch's profiler), where these write the step's one position into a buffer
+with room to spare (`DECODE_ROOM` positions, doubled when full) and hand attention a view of it:
+the same keys and values, without the copies (`bench/engine_decode.py` measures the two side by
+side; tests/test_engine_decode_cache.py checks grown and restacked batches against one forward
+pass over each whole sequence).
 
 Prefix cache (`services.engine.prefix_cache`, SGLang's radix cache on the CPU): a prefill keeps
 its sequence's KV under its token ids, and so does every release (finished, aborted, retracted:
@@ -33,6 +40,7 @@ sequence whose KV predates the swap (in-place updates keep running sequences) is
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -75,6 +83,52 @@ def eos_ids_of(model_dir: Path, config: Any, tokenizer: Any) -> frozenset[int]:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Positions a stacked decode batch has room for before its buffers grow: a worker's turn writes at
+# most a few hundred tokens before its sequence finishes and the batch is stacked again.
+DECODE_ROOM = 256
+
+
+@functools.cache
+def _growing_layer() -> type:
+    """`_GrowingLayer`, defined on first use: `transformers` is imported only by engines that load a
+    model (a scripted engine never does)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class _GrowingLayer(DynamicLayer):
+        """A `DynamicLayer` whose keys and values are views of buffers with room to grow: `update`
+        writes the new positions in place instead of concatenating (copying) everything cached.
+        Views handed out earlier see later writes only beyond their own length, so nothing they
+        hold changes."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+            super().__init__()
+            self._keys, self._values = keys, values  # [B, heads, capacity, dim]
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+            self.device, self.dtype = keys.device, keys.dtype
+            self.is_initialized = True
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            start = self.keys.shape[2]
+            end = start + key_states.shape[2]
+            if end > self._keys.shape[2]:
+                self._keys = _with_room(self._keys, start, end)
+                self._values = _with_room(self._values, start, end)
+            self._keys[:, :, start:end] = key_states
+            self._values[:, :, start:end] = value_states
+            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+            return self.keys, self.values
+
+    return _GrowingLayer
+
+
+def _with_room(buffer: torch.Tensor, length: int, needed: int) -> torch.Tensor:
+    """A buffer twice as long as `needed` positions (at least) holding `buffer`'s first `length`."""
+    shape = (*buffer.shape[:2], max(2 * buffer.shape[2], needed + DECODE_ROOM), buffer.shape[3])
+    grown = buffer.new_zeros(shape)
+    grown[:, :, :length] = buffer[:, :, :length]
+    return grown
 
 
 def load_causal_lm(model_dir: str | Path, dtype: str = "auto") -> Any:
@@ -265,21 +319,25 @@ class TransformersModel:
         longest = max(kv.length for kv in kvs)
         mask = torch.zeros(len(seqs), longest, dtype=torch.long)
         layers = []
+        growing = _growing_layer()
         for layer in range(len(kvs[0].layers)):
             keys, values = kvs[0].layers[layer]
-            shape = (len(seqs), keys.shape[1], longest, keys.shape[3])
+            shape = (len(seqs), keys.shape[1], longest + DECODE_ROOM, keys.shape[3])
             batch_keys = keys.new_zeros(shape)
             batch_values = values.new_zeros(shape)
             for i, kv in enumerate(kvs):
                 k, v = kv.layers[layer]
-                batch_keys[i, :, longest - kv.length :] = k[0]
-                batch_values[i, :, longest - kv.length :] = v[0]
-            layers.append((batch_keys, batch_values))
+                batch_keys[i, :, longest - kv.length : longest] = k[0]
+                batch_values[i, :, longest - kv.length : longest] = v[0]
+            layers.append(growing(batch_keys, batch_values, longest))
         for i, kv in enumerate(kvs):
             mask[i, longest - kv.length :] = 1
         for s in seqs:
             s.model_state = None  # the batch holds it now
-        return _Batch(list(seqs), self._new_cache(layers), mask, [kv.weights for kv in kvs])
+        cache = self._new_cache()
+        cache.layers = layers
+        cache.layer_class_to_replicate = None  # every layer is here
+        return _Batch(list(seqs), cache, mask, [kv.weights for kv in kvs])
 
     def _dissolve_batch(self, drop: Sequence | None = None, cut_finished: bool = False) -> None:
         """Cut each live member's KV back out of the batched cache (dropping the padding); the
