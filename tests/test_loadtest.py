@@ -281,6 +281,18 @@ def test_closed_port_is_one_line_before_any_load_or_folder(tmp_path):
         assert time.monotonic() - start < 4.5
 
 
+def test_the_grpc_precheck_connects_only_to_host_port_targets():
+    from services.retrieval.loadtest_cli import _refused
+
+    port = find_free_port()
+    assert "ConnectionRefusedError" in (_refused(f"{LOOPBACK}:{port}", 1.0) or "")
+    for target in (f"[::1]:{port}", f"localhost:{port}"):  # refused, or no IPv6 on this machine
+        assert _refused(target, 1.0) is not None, target
+    # A name with a scheme is the gRPC channel's to resolve: no TCP connect is tried.
+    for target in (f"ipv4:{LOOPBACK}:{port}", f"dns:///localhost:{port}", "unix:/tmp/x.sock", "noport"):
+        assert _refused(target, 1.0) is None, target
+
+
 def test_the_default_report_folder_is_under_the_state_folder(fresh, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = _cli(

@@ -174,11 +174,13 @@ _START_IT = "start the retrieval service (bcstack serve retrieval) or fix --url"
 
 def _refused(target: str, timeout: float) -> str | None:
     """The error of a TCP connect to a gRPC target "host:port" ("[v6]:port"), None when it connects
-    or the target is not of that form (a "dns:///..." or "unix:..." name: the channel decides)."""
+    or the target is not of that form (a name with a scheme, "dns:///...", "ipv4:...", "unix:...":
+    the channel decides)."""
     import socket
 
     host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit() or "/" in host or host.startswith("unix"):
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not port.isdigit() or not bare or "/" in host or (":" in host and bare == host):
         return None
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
