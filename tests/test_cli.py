@@ -193,20 +193,36 @@ def test_unknown_command_is_a_clear_error():
     assert result.returncode != 0 and "Traceback" not in result.stderr
 
 
-def test_a_tp_size_the_job_cannot_hold_is_one_error_line(tmp_path: Path):
-    # One process cannot be two tensor-parallel ranks: refused before anything is loaded.
+@pytest.mark.parametrize("trainer", ["grpo", "sft", "rl"])
+def test_a_tp_size_the_job_cannot_hold_is_one_error_line(tmp_path: Path, trainer: str):
+    # One process cannot be two tensor-parallel ranks: refused before anything is loaded, and before
+    # torch is imported (trainer.layout), so the line comes in half a second, not six.
     out = tmp_path / "run"
-    (tmp_path / "records.jsonl").touch()
+    for name in ("records.jsonl", "questions.jsonl"):
+        (tmp_path / name).touch()
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")  # the paths pass the cheap checks
-    args = ["train", "grpo", "--records", str(tmp_path / "records.jsonl"), "--model", str(tmp_path / "m")]
-    args += ["--ref", str(tmp_path / "m"), "--out", str(out), "--tp", "2"]
-    command = [sys.executable, "-m", "bcstack", *args]
+    model = ["--model", str(tmp_path / "m"), "--out", str(out), "--tp", "2"]
+    args = {
+        "grpo": ["--records", str(tmp_path / "records.jsonl"), "--ref", str(tmp_path / "m")],
+        "sft": ["--source", f"chat={tmp_path / 'chat.jsonl'}"],
+        "rl": ["--judge", "http://127.0.0.1:1", "--questions", str(tmp_path / "questions.jsonl"),
+               "--ref", str(tmp_path / "m")],
+    }[trainer]  # fmt: skip
+    command = [sys.executable, "-X", "importtime", "-m", "bcstack", "train", trainer, *args, *model]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == [
+    imported = [
+        line.rsplit("|", 1)[-1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    ]
+    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert said == [
         "error: --tp 2 does not divide the job's 1 processes (torchrun --nproc_per_node x --nnodes)"
     ]
+    assert "torch" not in imported and "transformers" not in imported
     assert not out.exists()
 
 

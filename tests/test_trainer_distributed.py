@@ -297,7 +297,8 @@ def test_a_layout_the_model_does_not_divide_is_one_error_line(kits: dict[str, Pa
 def test_layout_checks_and_the_micro_batch_schedule() -> None:
     from types import SimpleNamespace
 
-    from trainer.distributed import LayoutError, check_layout, dp_schedule
+    from trainer.distributed import dp_schedule
+    from trainer.layout import LayoutError, check_layout
 
     qwen3_4b = SimpleNamespace(
         num_attention_heads=32, num_key_value_heads=8, intermediate_size=9728, vocab_size=151936

@@ -388,7 +388,12 @@ def grpo(
         fail(f"no episode records at {records}")
     need_model("--model", model)
     need_model("--ref", ref)
-    from trainer.distributed import LayoutError, init_layout
+    from trainer.layout import LayoutError, early_layout_error
+
+    layout_error = early_layout_error(tp)  # before torch's imports: a bad --tp is one line at once
+    if layout_error is not None:
+        fail(layout_error)
+    from trainer.distributed import init_layout
 
     try:
         layout = init_layout(tp)  # before loading anything: joins the torchrun job, if any

@@ -39,7 +39,6 @@ with the varlen attention of `trainer.attention`).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from trainer.layout import check_layout, requested_world_size
 from trainer.packing import PACKED_FORWARD, packed_logprobs
 from trainer.parallel import DistributedEnv, apply_tensor_parallel, init_distributed
 
@@ -59,10 +59,6 @@ DP_MESH_DIM = "dp"
 TP_MESH_DIM = "tp"
 
 T = TypeVar("T")  # a micro-batch
-
-
-class LayoutError(ValueError):
-    """The job's size and `--tp` (or the model's shape) make no valid [dp, tp] layout."""
 
 
 @dataclass(frozen=True)
@@ -194,37 +190,6 @@ class Followers:
             if op == self.STOP:
                 return
             handlers[op](*args)
-
-
-def requested_world_size() -> int:
-    """WORLD_SIZE as torchrun set it (1 outside torchrun or when it is not a number)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
-def check_layout(world_size: int, tp: int, config: Any | None = None) -> int:
-    """dp for a job of `world_size` processes at tensor-parallel size `tp`; LayoutError when the
-    numbers (or, given `config`, the model's heads, KV heads, MLP width and vocabulary) do not divide."""
-    if tp < 1:
-        raise LayoutError(f"--tp must be at least 1, got {tp}")
-    if world_size % tp:
-        raise LayoutError(
-            f"--tp {tp} does not divide the job's {world_size} processes "
-            "(torchrun --nproc_per_node x --nnodes)"
-        )
-    if config is not None and tp > 1:
-        sizes = {
-            "attention heads": config.num_attention_heads,
-            "KV heads": config.num_key_value_heads,
-            "MLP width": config.intermediate_size,
-            "vocabulary": config.vocab_size,
-        }
-        uneven = [f"{name} {size}" for name, size in sizes.items() if size % tp]
-        if uneven:
-            raise LayoutError(f"--tp {tp} does not divide the model's {', '.join(uneven)}")
-    return world_size // tp
 
 
 def init_layout(tp: int = 1) -> Layout:

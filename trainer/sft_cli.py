@@ -107,6 +107,7 @@ def sft(
     Several GPUs (or CPU processes, gloo): `torchrun --nproc_per_node N -m bcstack train sft --tp T ...`
     (dp = N / T); rank 0 alone prints, logs and exports; checkpoints are sharded and resume at any layout.
     """
+    from trainer.layout import early_layout_error
     from trainer.sft_data import SFTDataError, SourceSpec  # no torch: the cheap checks come first
 
     need_model("--model", model)
@@ -119,10 +120,14 @@ def sft(
             fail(f"source {spec.name}: no such file {spec.path}")
     if eval_source is not None:
         need_file("--eval-source", eval_source)
+    layout_error = early_layout_error(tp)  # before torch's imports: a bad --tp is one line at once
+    if layout_error is not None:
+        fail(layout_error)
 
     from transformers import AutoTokenizer
 
-    from trainer.distributed import LayoutError, init_layout
+    from trainer.distributed import init_layout
+    from trainer.layout import LayoutError
     from trainer.sft import SFTConfig, SFTError, epoch_steps, train_sft
     from trainer.sft_data import build_mixture, is_chat_jsonl, load_chat_jsonl, load_record_samples
     from trainer.sinks import RunSinks, SinkError

@@ -221,11 +221,16 @@ def rl(
         fail(f"--mixed-versions must be keep, drop or error, not {mixed_versions!r}")
     if loss_aggregation not in ("sample-mean", "token-sum"):
         fail(f"--loss-aggregation must be sample-mean or token-sum, not {loss_aggregation!r}")
+    from trainer.layout import LayoutError, early_layout_error
+
+    layout_error = early_layout_error(tp)  # before torch's imports: a bad --tp is one line at once
+    if layout_error is not None:
+        fail(layout_error)
     from bcstack.evaluation.loaders import LoaderError, load_questions
     from bcstack.rl.loop import RLConfig, RLError, RLRun, follow
     from bcstack.rl.rollouts import RolloutError
     from services.worker.rolling import ReplicaDiscoveryError, k8s_worker_urls, parse_worker_urls
-    from trainer.distributed import LayoutError, init_layout
+    from trainer.distributed import init_layout
     from trainer.grpo import GRPOError
     from trainer.sinks import SinkError
 
