@@ -277,8 +277,9 @@ def test_closed_port_is_one_line_before_any_load_or_folder(tmp_path):
         error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(error_lines) == 1 and "nothing answers" in error_lines[0] and str(port) in error_lines[0]
         assert not out.exists()  # no report of requests that were never worth sending
-        # Refused at once, gRPC included (its channel alone would retry until the 5 s deadline).
-        assert time.monotonic() - start < 4.5
+        # Refused at once, gRPC included (its channel alone would retry until the 5 s deadline; the
+        # HTTP case, first, also pays the command's first imports).
+        assert time.monotonic() - start < (4.5 if grpc_flag else 10)
 
 
 def test_the_grpc_precheck_connects_only_to_host_port_targets():
